@@ -1,0 +1,76 @@
+"""`byblock generate PROMPT`: stream text, then a stats line (or one JSON object with --json)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from byblock.models.registry import DEFAULT_MODEL
+
+DRAFT_STYLE = "\x1b[1;32m"  # accepted draft tokens: bold green
+RESET = "\x1b[0m"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `byblock generate`."""
+    parser.add_argument("prompt", help="the prompt (a user turn; --no-chat sends it raw)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, checkpoint dir, .gguf or hub id")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights dtype")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    parser.add_argument("--drafter", default="none", help="none | ngram | model:ID")
+    parser.add_argument("--block-size", type=int, default=8, help="deepest draft per round")
+    parser.add_argument("--num-candidates", type=int, default=1, help="ngram: continuations merged into a tree")
+    parser.add_argument("--tree-budget", type=int, default=32, help="max draft nodes per round (trees)")
+    parser.add_argument("--highlight", action="store_true", help="colour tokens that came from accepted drafts")
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow hub checkpoints to run code")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, generate, print."""
+    from byblock.drafters import DrafterSpec, build_drafter
+    from byblock.engine.api import stream
+    from byblock.models.loading import load_model
+    from byblock.sampling.params import SamplingParams
+
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+    spec = DrafterSpec.parse(
+        args.drafter, block_size=args.block_size, num_candidates=args.num_candidates, tree_budget=args.tree_budget
+    )
+    model = load_model(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    drafter = build_drafter(spec, model, dtype=args.dtype)
+    gen = stream(model, args.prompt, params, drafter=drafter, chat=not args.no_chat)
+    out = sys.stdout
+    for ev in gen:
+        if args.json:
+            continue
+        drafted = args.highlight and ev.tokens and all(t.from_draft for t in ev.tokens)
+        out.write(f"{DRAFT_STYLE}{ev.text}{RESET}" if drafted else ev.text)
+        out.flush()
+    res = gen.result
+    assert res is not None
+    if args.json:
+        print(json.dumps(res.to_json()))
+        return 0
+    spec_part = ""
+    if res.drafter != "none":
+        spec_part = f", drafter {res.drafter}, τ {res.stats.mean_accepted:.2f} over {res.stats.rounds} rounds"
+    sys.stderr.write(
+        f"\n[{res.num_new_tokens} new tokens, ttft {res.ttft_s:.3f}s, {res.tokens_per_s:.1f} tok/s, "
+        f"finish {res.finish_reason.value}{spec_part}]\n"
+    )
+    return 0

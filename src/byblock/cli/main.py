@@ -1,0 +1,57 @@
+"""`byblock` command line: one module per subcommand, imported only when that subcommand runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from byblock import __version__
+
+SUBCOMMANDS = {
+    "generate": "Generate text from a prompt (plain or block-speculative decoding).",
+    "models": "List the built-in models and whether they are installed.",
+}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports bad flags as a single line and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand's flags."""
+    parser = OneLineParser(prog="byblock", description="Block-parallel LLM decoding, lossless.")
+    parser.add_argument("--version", action="version", version=f"byblock {__version__}")
+    subs = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    for name, help_text in SUBCOMMANDS.items():
+        sub = subs.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(f"byblock.cli.{name}").add_args(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `byblock` console script."""
+    from byblock.errors import ByblockError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(f"byblock.cli.{args.command}")
+    try:
+        return int(module.run(args) or 0)
+    except ByblockError as e:
+        sys.stderr.write(f"byblock {args.command}: error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""The Drafter contract: propose candidate tokens from the committed context; be told what was accepted."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from byblock.sampling.params import SamplingParams
+from byblock.verify.types import Draft, Verdict
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Anything that proposes drafts for the engine's draft → verify → commit loop.
+
+    Lifecycle per request: start() once, then propose() / observe() once per round.
+    """
+
+    name: str
+    block_size: int  # the deepest draft it proposes
+    hidden_layers: tuple[int, ...]  # target layers whose hidden states it conditions on (empty: none)
+
+    def start(
+        self,
+        prompt_ids: list[int],
+        target_hidden: torch.Tensor | None,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> None:
+        """Reset per-request state. target_hidden: [1, T, k*H] for the prompt when hidden_layers is set."""
+        ...
+
+    def propose(self, tokens: list[int], max_depth: int) -> Draft:
+        """Candidates to follow `tokens` (the committed context, its last token not yet verified-cached).
+
+        Never deeper than max_depth (>= 1). Node tokens must be target vocabulary ids; a drafter that
+        samples sets Draft.q to the processed (same SamplingParams) distribution it sampled from.
+        """
+        ...
+
+    def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
+        """The round's outcome. target_hidden: [1, 1+a, k*H] for the root and the a accepted nodes."""
+        ...
+
+
+class StatelessDrafter:
+    """Base for drafters that need no per-request bookkeeping beyond the context they are handed."""
+
+    name = "base"
+    block_size = 1
+    hidden_layers: tuple[int, ...] = ()
+
+    def start(
+        self,
+        prompt_ids: list[int],
+        target_hidden: torch.Tensor | None,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> None:
+        """Nothing to reset."""
+
+    def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
+        """Nothing to learn from the outcome."""

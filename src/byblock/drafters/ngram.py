@@ -1,0 +1,95 @@
+"""Prompt lookup / n-gram drafting (Saxena 2023; vLLM `ngram`, HF `prompt_lookup_num_tokens`).
+
+Match the last n tokens of the context (n from max_n down to min_n) against earlier positions of
+prompt + output and propose what followed. With num_candidates > 1 the distinct continuations of the
+most recent matches are merged into a trie (shared prefixes share nodes) and verified as one tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from byblock.drafters.base import StatelessDrafter
+from byblock.errors import InvalidParameterError
+from byblock.verify.types import Draft
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """Prompt-lookup knobs."""
+
+    block_size: int = 8  # deepest continuation proposed
+    min_n: int = 1
+    max_n: int = 3
+    num_candidates: int = 1  # > 1 makes a tree of that many continuations
+    tree_budget: int = 32  # node cap for trees
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or not 1 <= self.min_n <= self.max_n:
+            raise InvalidParameterError("ngram needs block_size >= 1 and 1 <= min_n <= max_n")
+        if self.num_candidates < 1 or self.tree_budget < 1:
+            raise InvalidParameterError("ngram needs num_candidates >= 1 and tree_budget >= 1")
+
+
+def find_continuations(tokens: list[int], n: int, length: int, limit: int) -> list[list[int]]:
+    """Continuations (up to `length` tokens) after earlier occurrences of the last n tokens, newest first.
+
+    Distinct continuations only; at most `limit`. O(len(tokens)) per call via one tensor comparison.
+    """
+    if len(tokens) <= n:
+        return []
+    t = torch.tensor(tokens)
+    windows = t.unfold(0, n, 1)[:-1]  # [L-n, n]: every n-gram except the final (the query itself)
+    hits = torch.nonzero((windows == t[-n:]).all(-1)).flatten().tolist()
+    out: list[list[int]] = []
+    for start in reversed(hits):
+        cont = tokens[start + n : start + n + length]
+        if cont and cont not in out:
+            out.append(cont)
+            if len(out) >= limit:
+                break
+    return out
+
+
+def trie_draft(continuations: list[list[int]], budget: int) -> Draft:
+    """Merge continuations into a prefix tree of at most `budget` nodes (earlier ones take priority)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for cont in continuations:
+        parent = -1
+        for tok in cont:
+            node = index.get((parent, tok))
+            if node is None:
+                if len(tokens) >= budget:
+                    break
+                node = len(tokens)
+                index[(parent, tok)] = node
+                tokens.append(tok)
+                parents.append(parent)
+            parent = node
+    return Draft(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
+
+
+class NgramDrafter(StatelessDrafter):
+    """Training-free drafter copying continuations from the context."""
+
+    name = "ngram"
+
+    def __init__(self, config: NgramConfig | None = None) -> None:
+        self.config = config or NgramConfig()
+        self.block_size = self.config.block_size
+
+    def propose(self, tokens: list[int], max_depth: int) -> Draft:
+        """Longest-n match first; a chain, or a trie when num_candidates > 1."""
+        cfg = self.config
+        depth = min(cfg.block_size, max_depth)
+        for n in range(cfg.max_n, cfg.min_n - 1, -1):
+            conts = find_continuations(tokens, n, depth, cfg.num_candidates)
+            if conts:
+                if cfg.num_candidates == 1:
+                    return Draft.chain(conts[0])
+                return trie_draft(conts, cfg.tree_budget)
+        return Draft.empty()

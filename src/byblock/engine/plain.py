@@ -1,0 +1,33 @@
+"""Plain autoregressive decoding: the baseline every speedup is measured against, so it carries no
+per-token work it does not need (one forward, one argmax or draw, one yield)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from byblock.engine.types import SpecStats, TokenEvent
+from byblock.models.adapter import TargetModel
+from byblock.sampling.params import SamplingParams
+from byblock.sampling.processors import choose
+
+
+def plain_decode(
+    target: TargetModel,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    stats: SpecStats,
+) -> Iterator[TokenEvent]:
+    """Yield target tokens one at a time, forever; the consumer stops by closing the iterator."""
+    cache = target.new_cache()
+    logits = target.forward(torch.tensor([prompt_ids]), cache, logits_to_keep=1).logits  # [1, 1, V]
+    token = choose(logits[0, -1], params, generator)
+    while True:
+        yield TokenEvent(token, from_draft=False)
+        t0 = time.perf_counter()
+        logits = target.forward(torch.tensor([[token]]), cache, logits_to_keep=1).logits
+        token = choose(logits[0, -1], params, generator)
+        stats.record(0, 0, 0, 0.0, time.perf_counter() - t0)

@@ -1,0 +1,77 @@
+"""The speculative loop: draft → verify → commit → emit, one round per target forward.
+
+Invariant between rounds: `tokens` holds every committed token; the target cache holds the K/V of all
+but the last one (the root), whose K/V is computed in the next round's forward together with the draft.
+
+    round:  input  = [root, x_1 .. x_N]            positions past + [0, depth_1 .. depth_N]
+            logits = target(input)                  row 0 predicts after root, row i+1 after x_i
+            verdict= verify(draft, logits)          accepted path x_{i_1}..x_{i_a} + one target token
+            cache  = keep(prefix, root, path)       compact: a tree's accepted nodes are not contiguous
+            emit     path tokens (from_draft) then the target token (the new root)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from byblock.drafters.base import Drafter
+from byblock.engine.types import SpecStats, TokenEvent
+from byblock.models.adapter import TargetModel
+from byblock.sampling.params import SamplingParams
+from byblock.sampling.processors import choose
+from byblock.verify import Draft, verify
+
+
+def speculative_decode(
+    target: TargetModel,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    stats: SpecStats,
+) -> Iterator[TokenEvent]:
+    """Yield tokens, several per target forward; output identical (greedy) / equal in law (sampling)
+    to plain_decode. The consumer stops by closing the iterator, mid-block if it likes."""
+    layers = drafter.hidden_layers
+    cache = target.new_cache()
+    out = target.forward(
+        torch.tensor([prompt_ids]), cache, logits_to_keep=1, hidden_layers=layers
+    )  # logits [1, 1, V]; hidden [1, T, k*H] or None
+    tokens = [*prompt_ids, choose(out.logits[0, -1], params, generator)]
+    drafter.start(prompt_ids, out.hidden, params, generator)
+    yield TokenEvent(tokens[-1], from_draft=False)
+    emitted = 1
+    while True:
+        # Never draft past what can still be emitted (the round adds one token of its own) or the context.
+        depth_budget = min(params.max_new_tokens - emitted, target.max_context - len(tokens)) - 1
+        t0 = time.perf_counter()
+        draft = drafter.propose(tokens, depth_budget) if depth_budget > 0 else Draft.empty()
+        t1 = time.perf_counter()
+
+        past = cache.length  # == len(tokens) - 1
+        input_ids = torch.tensor([[tokens[-1], *draft.tokens.tolist()]])  # [1, 1+N]
+        positions = tree_mask = None
+        if not draft.is_chain:
+            depths = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [1+N]
+            positions = (past + depths)[None]
+            tree_mask = draft.ancestor_mask()
+        out = target.forward(input_ids, cache, positions=positions, tree_mask=tree_mask, hidden_layers=layers)
+        verdict = verify(draft, out.logits[0], params, generator)
+        # Commit: keep the root's slot and the accepted nodes' slots (node i sits at slot past + 1 + i).
+        path = torch.tensor(verdict.path, dtype=torch.long)
+        cache.commit(past + 1, past + 1 + path)
+        hidden = None
+        if out.hidden is not None:
+            hidden = out.hidden[:, torch.cat([torch.zeros(1, dtype=torch.long), path + 1])]  # [1, 1+a, k*H]
+        drafter.observe(verdict, hidden)
+        t2 = time.perf_counter()
+        depth = int(draft.depths().max()) if draft.num_nodes else 0
+        stats.record(depth, draft.num_nodes, verdict.num_accepted, t1 - t0, t2 - t1)
+
+        for j, token in enumerate(verdict.tokens):
+            tokens.append(token)
+            yield TokenEvent(token, from_draft=j < verdict.num_accepted)
+            emitted += 1

@@ -1,0 +1,119 @@
+"""Records the engine emits: one per token while streaming, one summary per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    """Why generation ended (OpenAI's vocabulary)."""
+
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # max_new_tokens or the context window
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One token leaving the decoding loop."""
+
+    token_id: int
+    from_draft: bool  # True: drafted and accepted; False: produced by the target itself
+
+
+@dataclass
+class SpecStats:
+    """Per-request speculative decoding counters (a plain decode is a run of rounds with no draft)."""
+
+    rounds: int = 0
+    drafted_nodes: int = 0
+    emitted_by_rounds: int = 0  # accepted + 1 per round (τ's numerator)
+    accept_counts: list[int] = field(default_factory=list)  # accept_counts[a] = rounds that accepted a
+    position_drafted: list[int] = field(default_factory=list)  # rounds whose draft reached depth d+1
+    position_accepted: list[int] = field(default_factory=list)  # rounds that accepted depth d+1
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    def record(self, draft_depth: int, num_nodes: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        """Add one verification round."""
+        self.rounds += 1
+        self.drafted_nodes += num_nodes
+        self.emitted_by_rounds += accepted + 1
+        for lst, n in ((self.accept_counts, accepted + 1), (self.position_drafted, draft_depth)):
+            lst.extend([0] * (n - len(lst)))
+        self.accept_counts[accepted] += 1
+        self.position_accepted.extend([0] * (draft_depth - len(self.position_accepted)))
+        for d in range(draft_depth):
+            self.position_drafted[d] += 1
+        for d in range(accepted):
+            self.position_accepted[d] += 1
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+
+    @property
+    def mean_accepted(self) -> float:
+        """τ: tokens emitted per verification round, the target's own token included."""
+        return self.emitted_by_rounds / self.rounds if self.rounds else 0.0
+
+    def per_position_acceptance(self) -> list[float]:
+        """P(depth d accepted | the draft reached depth d), d = 1..max."""
+        return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted, strict=False)]
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """A text delta for the consumer, with the tokens behind it."""
+
+    text: str
+    tokens: tuple[TokenEvent, ...]
+    elapsed_s: float  # since the request started
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """Everything one request produced."""
+
+    text: str
+    token_ids: list[int]
+    from_draft: list[bool]
+    prompt_tokens: int
+    finish_reason: FinishReason
+    ttft_s: float
+    total_s: float
+    drafter: str
+    block_size: int
+    stats: SpecStats
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Number of generated tokens (EOS included when it ended the request)."""
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput after the first token (the first token's time is TTFT)."""
+        dt = self.total_s - self.ttft_s
+        return (self.num_new_tokens - 1) / dt if self.num_new_tokens > 1 and dt > 0 else 0.0
+
+    def to_json(self) -> dict:
+        """The `--json` object."""
+        s = self.stats
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "num_new_tokens": self.num_new_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "finish_reason": self.finish_reason.value,
+            "ttft_s": round(self.ttft_s, 6),
+            "total_s": round(self.total_s, 6),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "drafter": self.drafter,
+            "block_size": self.block_size,
+            "rounds": s.rounds,
+            "mean_accepted": round(s.mean_accepted, 4),
+            "acceptance_histogram": s.accept_counts,
+            "per_position_acceptance": [round(x, 4) for x in s.per_position_acceptance()],
+            "num_draft_accepted": sum(self.from_draft),
+            "draft_s": round(s.draft_s, 6),
+            "verify_s": round(s.verify_s, 6),
+        }

@@ -1,0 +1,142 @@
+"""TargetModel: the one interface the engine uses over any transformers causal LM.
+
+Responsibilities: prefill and multi-token forwards with explicit positions and an optional tree mask,
+KV caches that can be cropped and compacted, and capture of hidden states at chosen layers from the
+same forward (block drafters need them). Not here: decoding policy (engine/), acceptance (verify/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from byblock.models.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """Result of one target forward."""
+
+    logits: torch.Tensor  # [B, T_kept, V] float
+    hidden: torch.Tensor | None  # [B, T, k*H]: the requested layers' outputs, concatenated; None if none asked
+
+
+def _as_id_set(value: object) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}  # type: ignore[union-attr]
+
+
+class TargetModel:
+    """A causal LM + tokenizer, driven token-by-token or block-by-block by the engine."""
+
+    def __init__(self, hf_model: torch.nn.Module, tokenizer, name: str = "model") -> None:
+        self.hf = hf_model
+        self.tokenizer = tokenizer
+        self.name = name
+        cfg = hf_model.config
+        self.text_config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        tc = self.text_config
+        self.num_layers: int = tc.num_hidden_layers
+        self.hidden_size: int = tc.hidden_size
+        self.vocab_size: int = hf_model.get_output_embeddings().weight.shape[0]
+        self.max_context: int = int(getattr(tc, "max_position_embeddings", 2048))
+        layer_types = getattr(tc, "layer_types", None) or []
+        self.sliding_window: int | None = getattr(tc, "sliding_window", None) if any(
+            "sliding" in t for t in layer_types
+        ) else None
+        gen_cfg = getattr(hf_model, "generation_config", None)
+        eos = _as_id_set(getattr(gen_cfg, "eos_token_id", None)) | _as_id_set(tc.eos_token_id)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.dtype: torch.dtype = next(hf_model.parameters()).dtype
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer carries a chat template (instruct models)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
+        """Token ids for a prompt; with `chat`, wrapped in the model's chat template as one user turn."""
+        if chat and self.has_chat_template:
+            enc = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc
+            return [int(t) for t in ids]
+        return [int(t) for t in self.tokenizer(prompt, add_special_tokens=True)["input_ids"]]
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for one sequence batch."""
+        return KVCache()
+
+    def tree_attention_mask(
+        self, past: int, positions: torch.Tensor, tree_mask: torch.Tensor
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Additive attention mask(s) for new tokens that see all `past` slots plus their tree ancestors.
+
+        positions: [T] absolute positions of the new tokens; tree_mask: [T, T] bool, True where query i may
+        see new token j (itself and its ancestors). Returns [1, 1, T, past+T] in the model dtype, or a dict per
+        layer type for models with sliding-window layers (the window is part of the mask, see kv_cache.py).
+        """
+        t = positions.numel()
+        allowed = torch.ones(t, past + t, dtype=torch.bool)
+        allowed[:, past:] = tree_mask
+        neg = torch.finfo(self.dtype).min
+
+        def additive(ok: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(ok.shape, dtype=self.dtype).masked_fill(~ok, neg)[None, None]
+
+        if self.sliding_window is None:
+            return additive(allowed)
+        kv_pos = torch.cat([torch.arange(past), positions])  # [past+T]
+        in_window = (positions[:, None] - kv_pos[None, :]) < self.sliding_window
+        return {"full_attention": additive(allowed), "sliding_attention": additive(allowed & in_window)}
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        *,
+        positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        """Run new tokens through the model, appending their K/V to `cache`.
+
+        Args:
+            input_ids: [B, T] new tokens.
+            cache: holds the K/V of everything before them; grows by T slots.
+            positions: [B, T] RoPE positions (default: contiguous after the cache). Trees pass depth-based ones.
+            tree_mask: [T, T] bool ancestor-or-self mask for a draft tree (batch 1); None = causal.
+            attention_mask: [B, past+T] 0/1 padding mask for batched prefill/decode (None = no padding).
+            logits_to_keep: compute logits for only the last n positions (0 = all).
+            hidden_layers: decoder layer indices whose outputs to return (DFlash indexing: layer i -> i+1).
+        """
+        past = cache.length
+        bsz, t = input_ids.shape
+        if positions is None:
+            positions = torch.arange(past, past + t).expand(bsz, t)
+        mask: object = attention_mask
+        if tree_mask is not None:
+            mask = self.tree_attention_mask(past, positions[0], tree_mask)
+        out = self.hf(
+            input_ids=input_ids,
+            cache=cache.hf,
+            position_ids=positions,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            output_hidden_states=bool(hidden_layers),
+        )
+        hidden = None
+        if hidden_layers:
+            hidden = torch.cat([out.hidden_states[i + 1] for i in hidden_layers], dim=-1)
+        return ForwardOutput(logits=out.logits, hidden=hidden)

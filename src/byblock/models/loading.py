@@ -1,0 +1,140 @@
+"""One entry point from a name to a ready TargetModel.
+
+Accepted: a built-in name (see `byblock models`), a local checkpoint directory, a `.gguf` file, or a
+Hugging Face repo id. A GGUF is de-quantized once (slow: tens of seconds) and cached as safetensors
+under `$XDG_CACHE_HOME/byblock/models/`, so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from byblock.errors import ModelNotFoundError
+from byblock.models.adapter import TargetModel
+from byblock.models.registry import BUILTIN_MODELS, resolve_builtin
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def cache_root() -> Path:
+    """byblock's cache directory (honours XDG_CACHE_HOME)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "byblock"
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", module="transformers")
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_root() / "models" / f"{gguf.stem}-{key}"
+
+
+def dequantize_gguf(gguf: Path) -> Path:
+    """De-quantize a GGUF into a safetensors checkpoint directory once; return that directory.
+
+    The GGUF's dequantized values are exact in float32, so the cache is stored in float32.
+    Writes go to a temporary directory renamed into place, so a killed run never leaves half a cache.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = _gguf_cache_dir(gguf)
+    if (target / "config.json").is_file():
+        return target
+    log.info("de-quantizing %s (once; cached at %s)", gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are now plain float tensors; drop the GGUF marker so the checkpoint saves as ordinary HF.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve_checkpoint(name_or_path: str) -> str:
+    """Map a user-given model reference to something `from_pretrained` can open."""
+    if name_or_path in BUILTIN_MODELS:
+        return str(dequantize_gguf(resolve_builtin(name_or_path)))
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return str(dequantize_gguf(path))
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is not a checkpoint directory (no config.json)")
+        return str(path)
+    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
+        return name_or_path  # a hub id: from_pretrained resolves it (local hub cache first)
+    known = ", ".join(BUILTIN_MODELS)
+    raise ModelNotFoundError(f"unknown model '{name_or_path}': not a built-in ({known}), path or hub id")
+
+
+def load_model(
+    name_or_path: str = "smollm2-135m",
+    *,
+    dtype: str | torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+    attn_implementation: str = "sdpa",
+) -> TargetModel:
+    """Load a causal LM and its tokenizer as a TargetModel.
+
+    Args:
+        name_or_path: built-in name, checkpoint dir, .gguf file or hub id.
+        dtype: weights dtype ("float32" or "bfloat16").
+        trust_remote_code: allow code shipped with a hub checkpoint to run (off unless asked).
+        attn_implementation: transformers attention backend ("sdpa" or "eager").
+    """
+    _quiet_transformers()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ModelNotFoundError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
+        dtype = DTYPES[dtype]
+    ckpt = resolve_checkpoint(name_or_path)
+    is_hub = not Path(ckpt).exists()
+    kwargs = {"trust_remote_code": trust_remote_code}
+    try:
+        try:
+            tok = AutoTokenizer.from_pretrained(ckpt, local_files_only=is_hub, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                ckpt, dtype=dtype, attn_implementation=attn_implementation, local_files_only=is_hub, **kwargs
+            )
+        except OSError:
+            if not is_hub or os.environ.get("HF_HUB_OFFLINE") == "1":
+                raise
+            tok = AutoTokenizer.from_pretrained(ckpt, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                ckpt, dtype=dtype, attn_implementation=attn_implementation, **kwargs
+            )
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelNotFoundError(f"cannot load model '{name_or_path}': {first}") from e
+    return TargetModel(model.eval(), tok, name=name_or_path)

@@ -1,0 +1,60 @@
+"""Turn raw logits into the distribution tokens are drawn from (temperature, top-k, top-p).
+
+Target and drafter go through this one function, so p and q are always processed identically.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from byblock.sampling.params import SamplingParams
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Return probabilities after temperature, top-k and top-p filtering.
+
+    logits: [..., V] (any float dtype). Returns float32 probs [..., V] that sum to 1 on the last dim.
+    Greedy params give a one-hot distribution at the argmax (what a deterministic decoder samples from).
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p (the first token always stays).
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row of probs [..., V] -> [...] int64.
+
+    Uses the exponential race argmax(p / e), e ~ Exp(1): an exact draw from p (the Gumbel-max trick) that
+    verification also uses, so plain and speculative sampling share one primitive.
+    """
+    e = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / e).argmax(-1)
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The next token from one row of logits [V]: argmax when greedy, else a draw from processed probs."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(sample(process_logits(logits, params), generator))
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded from `seed` (or from fresh entropy when None)."""
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

@@ -1,0 +1,31 @@
+"""Verification: decide which drafted tokens the target accepts. Pure tensor functions, no model calls."""
+
+from __future__ import annotations
+
+import torch
+
+from byblock.sampling.params import SamplingParams
+from byblock.sampling.processors import process_logits
+from byblock.verify.greedy import verify_greedy, walk
+from byblock.verify.rejection import rejection_chain
+from byblock.verify.types import Draft, Noise, Verdict
+
+__all__ = ["Draft", "Noise", "Verdict", "verify"]
+
+
+def verify(
+    draft: Draft, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> Verdict:
+    """Accept a path of `draft` against target_logits [N+1, V] (row 0 = root). Lossless in every mode.
+
+    greedy                      -> follow the target's argmax (chains and trees)
+    sampling, chain with q      -> speculative sampling with the residual (rejection.py)
+    sampling, deterministic/tree-> sample y ~ p at each node, follow the matching child (greedy.walk)
+    """
+    if params.greedy:
+        return verify_greedy(draft, target_logits)
+    p = process_logits(target_logits, params)  # [N+1, V]
+    noise = Noise.draw(draft.num_nodes, p.shape[-1], generator)
+    if draft.q is not None and draft.is_chain and draft.num_nodes:
+        return rejection_chain(draft, p, noise)
+    return walk(draft, (p / noise.e).argmax(-1))

@@ -1,0 +1,113 @@
+"""What a drafter proposes (Draft) and what verification decides (Verdict).
+
+A draft is a tree of candidate tokens hanging off the root, which is the last committed token (its K/V
+is computed in the same target forward as the draft's). A chain is a tree where node i's parent is i-1.
+
+Worked example (a tree of 4 nodes):
+    tokens  = [a, b, c, d]
+    parents = [-1, 0, -1, 2]        root ─ a ─ b
+                                        └─ c ─ d
+    depth   = [1, 2, 1, 2]          node i sits at position  n_committed - 1 + depth[i]
+Target logits row 0 scores the root (predicts depth-1 tokens); row i+1 scores node i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Candidate tokens proposed by a drafter for one verification round."""
+
+    tokens: torch.Tensor  # [N] int64, nodes in topological order (parent index < own index)
+    parents: torch.Tensor  # [N] int64, parent node index, -1 for children of the root
+    # [N, V] float: the distribution node i's token was sampled from (given its ancestors);
+    # None for deterministic drafts (argmax, lookup), which verification treats as point masses.
+    q: torch.Tensor | None = None
+    is_chain: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = self.tokens.numel()
+        if self.parents.numel() != n:
+            raise ValueError("tokens and parents must have the same length")
+        if n and bool((self.parents >= torch.arange(n)).any()):
+            raise ValueError("draft nodes must be in topological order (parent < child)")
+        chain = n == 0 or bool(torch.equal(self.parents, torch.arange(-1, n - 1)))
+        object.__setattr__(self, "is_chain", chain)
+
+    @staticmethod
+    def chain(tokens: torch.Tensor | list[int], q: torch.Tensor | None = None) -> Draft:
+        """A linear draft: tokens[i] follows tokens[i-1]."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        return Draft(tokens=tokens, parents=torch.arange(-1, tokens.numel() - 1), q=q)
+
+    @staticmethod
+    def empty() -> Draft:
+        """No candidates: the round degenerates to one plain decoding step."""
+        return Draft.chain(torch.zeros(0, dtype=torch.long))
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of candidate tokens."""
+        return int(self.tokens.numel())
+
+    def depths(self) -> torch.Tensor:
+        """[N] int64: 1 for children of the root, parent depth + 1 otherwise."""
+        if self.is_chain:
+            return torch.arange(1, self.num_nodes + 1)
+        depth = [0] * self.num_nodes
+        for i, p in enumerate(self.parents.tolist()):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        return torch.tensor(depth, dtype=torch.long)
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N+1, N+1] bool over (root, nodes): True where row may attend column (itself or an ancestor)."""
+        n = self.num_nodes
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask[0, 0] = True
+        for i, p in enumerate(self.parents.tolist()):
+            mask[i + 1] = mask[p + 1]  # the parent's row (root when p == -1) ...
+            mask[i + 1, i + 1] = True  # ... plus itself
+        return mask
+
+    def children(self) -> list[list[int]]:
+        """children()[p + 1] lists the node indices whose parent is p (index 0 = the root)."""
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            kids[p + 1].append(i)
+        return kids
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one draft."""
+
+    path: list[int]  # accepted node indices, root to leaf (len a)
+    tokens: list[int]  # tokens to emit: the a accepted draft tokens, then one token of the target's own
+
+    @property
+    def num_accepted(self) -> int:
+        """a: draft tokens accepted this round (the emitted count is a + 1)."""
+        return len(self.path)
+
+
+@dataclass(frozen=True)
+class Noise:
+    """All randomness one sampled verification consumes, drawn up front so fast and reference paths agree.
+
+    Sampling y ~ p is done as argmax(p / e) with e ~ Exp(1) i.i.d. (the exponential-race form of the Gumbel-max
+    trick): exact, vectorizable over nodes, and free of host syncs.
+    """
+
+    u: torch.Tensor  # [N] uniforms in [0, 1) for accept tests
+    e: torch.Tensor  # [N+1, V] Exp(1) variates, one row per scored position
+
+    @staticmethod
+    def draw(num_nodes: int, vocab: int, generator: torch.Generator) -> Noise:
+        """Draw noise for a draft of `num_nodes` nodes over a vocabulary of `vocab`."""
+        u = torch.rand(num_nodes, generator=generator)
+        e = torch.empty(num_nodes + 1, vocab).exponential_(1.0, generator=generator)
+        return Noise(u=u, e=e)
