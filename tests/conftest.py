@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random models, built once per session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import ARCHS, make_target, save_checkpoint
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny_target(request):
+    """A TargetModel of each tiny architecture."""
+    return make_target(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_targets():
+    """{arch: TargetModel} for every tiny architecture."""
+    return {arch: make_target(arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny llama checkpoint directory on disk (for the CLI)."""
+    return save_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+def real_model_or_skip(name: str = "smollm2-135m"):
+    """Load a built-in real model, or skip when its package is not installed."""
+    from byblock.models.registry import BUILTIN_MODELS
+
+    if not BUILTIN_MODELS[name].installed():
+        pytest.skip(f"{name} not installed")
+    from byblock.models.loading import load_model
+
+    return load_model(name)

@@ -1,0 +1,90 @@
+"""The real `byblock` CLI, driven as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def byblock(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "byblock.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def test_generate_json_schema(tiny_llama_dir):
+    r = byblock("generate", "def add(a, b):", "--model", str(tiny_llama_dir), "--max-new-tokens", "12", "--json")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1  # exactly one JSON object on stdout
+    obj = json.loads(lines[0])
+    for key, typ in {
+        "text": str,
+        "token_ids": list,
+        "num_new_tokens": int,
+        "ttft_s": float,
+        "tokens_per_s": float,
+        "drafter": str,
+        "block_size": int,
+        "rounds": int,
+        "mean_accepted": float,
+        "acceptance_histogram": list,
+    }.items():
+        assert isinstance(obj[key], typ), key
+    assert obj["num_new_tokens"] == len(obj["token_ids"]) <= 12
+
+
+def test_ngram_drafter_streams_identical_text(tiny_llama_dir):
+    base = ["generate", "def add(a, b):", "--model", str(tiny_llama_dir), "--max-new-tokens", "24", "--json"]
+    plain = json.loads(byblock(*base).stdout)
+    spec = json.loads(byblock(*base, "--drafter", "ngram", "--block-size", "4").stdout)
+    assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
+    assert spec["drafter"] == "ngram" and spec["rounds"] >= 1 and spec["mean_accepted"] >= 1.0
+
+
+def test_streaming_output_with_stats_line(tiny_llama_dir):
+    r = byblock("generate", "hello", "--model", str(tiny_llama_dir), "--max-new-tokens", "8", "--no-chat")
+    assert r.returncode == 0, r.stderr
+    assert "new tokens" in r.stderr and "tok/s" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("generate", "x", "--bogus-flag"),
+        ("generate", "x", "--max-new-tokens", "abc"),
+        ("generate", "x", "--model", "/no/such/model/dir"),
+        ("generate", "x", "--model", "no-such-builtin"),
+        ("generate", "x", "--temperature", "-1"),
+        ("generate", "x", "--drafter", "magic"),
+        ("generate", "x", "--top-p", "2"),
+    ],
+)
+def test_bad_input_one_line_exit_2(args):
+    r = byblock(*args)
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_prompt_over_context_is_one_line_error(tiny_llama_dir):
+    r = byblock("generate", "word " * 2000, "--model", str(tiny_llama_dir), "--no-chat")
+    assert r.returncode == 2
+    assert "context" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_version_and_models():
+    r = byblock("--version")
+    assert r.returncode == 0 and r.stdout.startswith("byblock ")
+    r = byblock("models", "--json")
+    names = {m["name"] for m in json.loads(r.stdout)}
+    assert {"smollm2-135m", "gemma3-270m"} <= names

@@ -1,0 +1,81 @@
+"""Fast verification paths equal their paper-notation references on the same random draws."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from byblock.verify.greedy import verify_greedy, walk
+from byblock.verify.reference import reference_greedy, reference_rejection, reference_tree_sampling
+from byblock.verify.rejection import rejection_chain
+from byblock.verify.types import Draft, Noise
+
+
+def random_tree(n: int, vocab: int, g: torch.Generator, chain: bool) -> Draft:
+    tokens = torch.randint(0, vocab, (n,), generator=g)
+    if chain:
+        return Draft.chain(tokens)
+    parents = [int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(n)]
+    return Draft(tokens=tokens, parents=torch.tensor(parents, dtype=torch.long))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 16), st.integers(2, 6), st.booleans(), st.integers(0, 10**6))
+def test_greedy_fast_equals_reference(n, vocab, chain, seed):
+    g = torch.Generator().manual_seed(seed)
+    draft = random_tree(n, vocab, g, chain)
+    logits = torch.randn(n + 1, vocab, generator=g)
+    assert verify_greedy(draft, logits) == reference_greedy(draft, logits)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 16), st.integers(2, 6), st.booleans(), st.integers(0, 10**6))
+def test_tree_sampling_fast_equals_reference(n, vocab, chain, seed):
+    g = torch.Generator().manual_seed(seed)
+    draft = random_tree(n, vocab, g, chain)
+    p = torch.randn(n + 1, vocab, generator=g).softmax(-1)
+    noise = Noise.draw(n, vocab, g)
+    assert walk(draft, (p / noise.e).argmax(-1)) == reference_tree_sampling(draft, p, noise)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 16), st.integers(2, 6), st.integers(0, 10**6), st.booleans())
+def test_rejection_fast_equals_reference(k, vocab, seed, sparse):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(k + 1, vocab, generator=g).softmax(-1)
+    q = torch.randn(k, vocab, generator=g).softmax(-1)
+    if sparse:  # top-k style zeros in p and q
+        p = p * (torch.rand(k + 1, vocab, generator=g) > 0.4)
+        p[:, 0] += 1e-3
+        p = p / p.sum(-1, keepdim=True)
+        q = q * (torch.rand(k, vocab, generator=g) > 0.4)
+        q[:, 1] += 1e-3
+        q = q / q.sum(-1, keepdim=True)
+    x = torch.multinomial(q, 1, generator=g).squeeze(-1)
+    draft = Draft.chain(x, q=q)
+    noise = Noise.draw(k, vocab, g)
+    assert rejection_chain(draft, p, noise) == reference_rejection(draft, p, noise)
+
+
+def test_identical_distributions_accept_everything():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(8, 5, generator=g).softmax(-1)
+    p = torch.cat([q, torch.randn(1, 5, generator=g).softmax(-1)])
+    for _ in range(50):
+        x = torch.multinomial(q, 1, generator=g).squeeze(-1)
+        verdict = rejection_chain(Draft.chain(x, q=q), p, Noise.draw(8, 5, g))
+        assert verdict.num_accepted == 8
+
+
+def test_tree_ancestor_mask_and_depths():
+    draft = Draft(tokens=torch.tensor([5, 6, 7, 8]), parents=torch.tensor([-1, 0, -1, 2]))
+    assert draft.depths().tolist() == [1, 2, 1, 2]
+    m = draft.ancestor_mask().int().tolist()
+    assert m == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 0, 0, 1, 0],
+        [1, 0, 0, 1, 1],
+    ]

@@ -1,0 +1,114 @@
+"""Tiny random-weight checkpoints (llama, qwen3, gemma3) with a small byte-level BPE tokenizer.
+
+Everything is built offline in a few seconds, seeded, fp32, CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "qwen3", "gemma3")
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "for i in range(10):\n    print(i * i)\n",
+    "Question: what is 12 plus 30? Answer: 42.",
+    "Write a haiku about GPUs. Silicon rivers, warm.",
+]
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained on a few lines; ids 0..2 are <|endoftext|>, <|im_start|>, <|im_end|>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_config(arch: str, vocab_size: int, **overrides):
+    """A 2-4 layer config of the given architecture."""
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+    if arch == "llama":
+        cfg = LlamaConfig(**common)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=16)
+    elif arch == "gemma3":
+        common["num_hidden_layers"] = 4
+        cfg = Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=16,
+        )
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def make_hf_model(arch: str, vocab_size: int = 320, seed: int = 0, **overrides):
+    """A random-weight AutoModelForCausalLM (fp32, eval). Weights scaled up so outputs are not near-uniform."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = make_config(arch, vocab_size, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(4.0)  # peaked next-token distributions, few near-ties
+    return model
+
+
+def make_target(arch: str = "llama", vocab_size: int = 320, seed: int = 0, **overrides):
+    """A TargetModel over a tiny random model with the tiny tokenizer."""
+    from byblock.models.adapter import TargetModel
+
+    tok = make_tokenizer(vocab_size)
+    model = make_hf_model(arch, len(tok), seed, **overrides)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return TargetModel(model, tok, name=f"tiny-{arch}")
+
+
+def save_checkpoint(arch: str, path: Path, seed: int = 0) -> Path:
+    """Write a tiny checkpoint directory (config, safetensors, tokenizer) that load_model can open."""
+    target = make_target(arch, seed=seed)
+    target.hf.save_pretrained(path)
+    target.tokenizer.save_pretrained(path)
+    return path
