@@ -33,3 +33,28 @@ def test_default_model_matches_hf_generate():
         ids = target.encode_prompt(prompt, chat=True)
         ours = generate(target, ids, SamplingParams(max_new_tokens=24)).token_ids
         assert ours == hf_greedy(target, ids, 24)
+
+
+def test_relayout_linear_matches_nn_linear():
+    from byblock.models.fast_linear import InOutLinear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 96, bias=True)
+    fast = InOutLinear(lin)
+    for m in (1, 3, 17):
+        x = torch.randn(2, m, 48)
+        torch.testing.assert_close(fast(x), lin(x), atol=1e-5, rtol=1e-5)
+    assert fast.weight.shape == lin.weight.shape
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_relayout_model_greedy_unchanged(arch):
+    """The re-laid-out model decodes the same tokens as the original on the tiny models."""
+    from byblock.models.fast_linear import relayout_linears
+    from tiny import make_target
+
+    target = make_target(arch)
+    ids = target.encode_prompt("def add(a, b):", chat=True)
+    before = generate(target, ids, SamplingParams(max_new_tokens=30)).token_ids
+    assert relayout_linears(target.hf) > 0
+    assert generate(target, ids, SamplingParams(max_new_tokens=30)).token_ids == before

