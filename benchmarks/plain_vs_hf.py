@@ -53,9 +53,7 @@ def main() -> None:
         t_hf, t_ours, same, n_tokens = [], [], True, 0
         for i, ids in enumerate(prompts):
             runs = [("hf", hf_generate, hf_model), ("ours", ours, model)]
-            results = {
-                name: fn(m, ids, args.max_new_tokens) for name, fn, m in (runs if i % 2 == 0 else runs[::-1])
-            }
+            results = {name: fn(m, ids, args.max_new_tokens) for name, fn, m in (runs if i % 2 == 0 else runs[::-1])}
             t_hf.append(results["hf"][0])
             t_ours.append(results["ours"][0])
             same &= results["hf"][1] == results["ours"][1]

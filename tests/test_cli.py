@@ -67,6 +67,8 @@ def test_streaming_output_with_stats_line(tiny_llama_dir):
         ("generate", "x", "--temperature", "-1"),
         ("generate", "x", "--drafter", "magic"),
         ("generate", "x", "--top-p", "2"),
+        ("generate", "x", "--drafter", "ngram", "--ngram-min", "4", "--ngram-max", "2"),
+        ("generate", "x", "--drafter", "model"),
     ],
 )
 def test_bad_input_one_line_exit_2(args):

@@ -50,8 +50,9 @@ def test_relayout_linear_matches_nn_linear():
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_relayout_model_greedy_unchanged(arch):
     """The re-laid-out model decodes the same tokens as the original on the tiny models."""
-    from byblock.models.fast_linear import relayout_linears
     from tiny import make_target
+
+    from byblock.models.fast_linear import relayout_linears
 
     target = make_target(arch)
     ids = target.encode_prompt("def add(a, b):", chat=True)

@@ -29,6 +29,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=8, help="deepest draft per round")
     parser.add_argument("--num-candidates", type=int, default=1, help="ngram: continuations merged into a tree")
     parser.add_argument("--tree-budget", type=int, default=32, help="max draft nodes per round (trees)")
+    parser.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix matched")
+    parser.add_argument("--ngram-max", type=int, default=3, help="ngram: longest suffix matched (tried first)")
     parser.add_argument("--highlight", action="store_true", help="colour tokens that came from accepted drafts")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow hub checkpoints to run code")
 
@@ -53,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         num_candidates=args.num_candidates,
         tree_budget=args.tree_budget,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
     )
     model = load_model(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     drafter = build_drafter(spec, model, dtype=args.dtype)

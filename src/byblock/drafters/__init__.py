@@ -29,6 +29,8 @@ class DrafterSpec:
     block_size: int = 8
     num_candidates: int = 1
     tree_budget: int = 32
+    ngram_min: int = 1
+    ngram_max: int = 3
 
     @staticmethod
     def parse(text: str, **knobs: int) -> DrafterSpec:
@@ -43,8 +45,11 @@ class DrafterSpec:
             raise ByblockError("drafter 'model' needs a model: --drafter model:ID")
         if kind is not DrafterKind.MODEL and arg:
             raise ByblockError(f"drafter '{name}' takes no ':{arg}' argument")
-        if knobs.get("block_size", 1) < 1:
-            raise ByblockError("--block-size must be >= 1")
+        for knob in ("block_size", "num_candidates", "tree_budget", "ngram_min", "ngram_max"):
+            if knobs.get(knob, 1) < 1:
+                raise ByblockError(f"--{knob.replace('_', '-')} must be >= 1")
+        if knobs.get("ngram_min", 1) > knobs.get("ngram_max", 3):
+            raise ByblockError("--ngram-min must not exceed --ngram-max")
         return DrafterSpec(kind=kind, model=arg or None, **knobs)
 
 
@@ -53,7 +58,13 @@ def build_drafter(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"
     if spec.kind is DrafterKind.NONE:
         return None
     if spec.kind is DrafterKind.NGRAM:
-        cfg = NgramConfig(block_size=spec.block_size, num_candidates=spec.num_candidates, tree_budget=spec.tree_budget)
+        cfg = NgramConfig(
+            block_size=spec.block_size,
+            min_n=spec.ngram_min,
+            max_n=spec.ngram_max,
+            num_candidates=spec.num_candidates,
+            tree_budget=spec.tree_budget,
+        )
         return NgramDrafter(cfg)
     from byblock.models.loading import load_model
 
