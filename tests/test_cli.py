@@ -90,3 +90,12 @@ def test_version_and_models():
     r = byblock("models", "--json")
     names = {m["name"] for m in json.loads(r.stdout)}
     assert {"smollm2-135m", "gemma3-270m"} <= names
+
+
+def test_draft_model_drafter_from_cli(tiny_llama_dir):
+    base = ["generate", "def add(a, b):", "--model", str(tiny_llama_dir), "--max-new-tokens", "16", "--json"]
+    plain = json.loads(byblock(*base).stdout)
+    r = byblock(*base, "--drafter", f"model:{tiny_llama_dir}", "--block-size", "3")
+    spec = json.loads(r.stdout)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["drafter"].startswith("model:") and spec["mean_accepted"] > 1.0  # the target drafting itself

@@ -85,3 +85,16 @@ def test_ngram_tree_verification_on_repetitive_text(tiny_targets):
     prompt = torch.arange(3, 23).repeat(4).tolist()
     drafter = NgramDrafter(NgramConfig(block_size=6, num_candidates=4, tree_budget=16))
     greedy_outputs_match(t, prompt, SamplingParams(max_new_tokens=30, ignore_eos=True), drafter)
+
+
+def test_draft_model_with_different_vocabulary_is_refused():
+    import pytest
+
+    from byblock.drafters.draft_model import check_same_vocabulary
+    from byblock.errors import ByblockError
+
+    target = make_target("llama")
+    other = make_target("llama", vocab_size=300)  # a tokenizer trained to a different size
+    with pytest.raises(ByblockError, match="different vocabulary"):
+        check_same_vocabulary(other, target)
+    check_same_vocabulary(make_target("qwen3"), target)  # same tokenizer, different architecture: fine
