@@ -11,7 +11,8 @@ import pytest
 
 
 def byblock(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, **(env_extra or {})}
+    # A closed local port stands in for an unreachable hub: hub ids must fail fast, in one line.
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", **(env_extra or {})}
     return subprocess.run(
         [sys.executable, "-m", "byblock.cli.main", *args],
         capture_output=True,
@@ -69,6 +70,7 @@ def test_streaming_output_with_stats_line(tiny_llama_dir):
         ("generate", "x", "--top-p", "2"),
         ("generate", "x", "--drafter", "ngram", "--ngram-min", "4", "--ngram-max", "2"),
         ("generate", "x", "--drafter", "model"),
+        ("generate", "x", "--model", "someorg/not-cached-anywhere"),
     ],
 )
 def test_bad_input_one_line_exit_2(args):

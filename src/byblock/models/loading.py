@@ -41,6 +41,22 @@ def _quiet_transformers() -> None:
     warnings.filterwarnings("ignore", module="transformers")
 
 
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face hub endpoint accepts a TCP connection (so a miss fails fast offline)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
 def _gguf_cache_dir(gguf: Path) -> Path:
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
@@ -133,6 +149,10 @@ def load_model(
         except OSError:
             if not is_hub or os.environ.get("HF_HUB_OFFLINE") == "1":
                 raise
+            if not _hub_reachable():
+                raise ModelNotFoundError(
+                    f"model '{name_or_path}' is not in the local hub cache and the hub cannot be reached"
+                ) from None
             tok = AutoTokenizer.from_pretrained(ckpt, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(
                 ckpt, dtype=dtype, attn_implementation=attn_implementation, **kwargs
