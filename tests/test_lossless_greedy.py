@@ -25,7 +25,7 @@ def reference(arch: str, prompt: tuple[int, ...]) -> list[int]:
     return list(prompt) + generate(target(arch), list(prompt), params).token_ids
 
 
-@settings(max_examples=160, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     arch=st.sampled_from(ARCHS),
     prompt=st.lists(st.integers(3, 319), min_size=1, max_size=24),
