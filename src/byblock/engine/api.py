@@ -124,7 +124,7 @@ def generate(
     chat: bool = True,
 ) -> GenerationResult:
     """Run a request to completion and return its GenerationResult."""
-    gen = Generation(model, prompt, params or SamplingParams(), drafter, chat)
+    gen = stream(model, prompt, params, drafter=drafter, chat=chat)
     for _ in gen:
         pass
     assert gen.result is not None
