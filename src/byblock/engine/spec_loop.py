@@ -52,10 +52,11 @@ def speculative_decode(
         t1 = time.perf_counter()
 
         past = cache.length  # == len(tokens) - 1
+        node_depths = draft.depths()  # [N]
         input_ids = torch.tensor([[tokens[-1], *draft.tokens.tolist()]])  # [1, 1+N]
         positions = tree_mask = None
         if not draft.is_chain:
-            depths = torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])  # [1+N]
+            depths = torch.cat([torch.zeros(1, dtype=torch.long), node_depths])  # [1+N]
             positions = (past + depths)[None]
             tree_mask = draft.ancestor_mask()
         out = target.forward(input_ids, cache, positions=positions, tree_mask=tree_mask, hidden_layers=layers)
@@ -68,7 +69,7 @@ def speculative_decode(
             hidden = out.hidden[:, torch.cat([torch.zeros(1, dtype=torch.long), path + 1])]  # [1, 1+a, k*H]
         drafter.observe(verdict, hidden)
         t2 = time.perf_counter()
-        depth = int(draft.depths().max()) if draft.num_nodes else 0
+        depth = int(node_depths.max()) if draft.num_nodes else 0
         stats.record(depth, draft.num_nodes, verdict.num_accepted, t1 - t0, t2 - t1)
 
         for j, token in enumerate(verdict.tokens):
