@@ -112,3 +112,31 @@ def save_checkpoint(arch: str, path: Path, seed: int = 0) -> Path:
     target.hf.save_pretrained(path)
     target.tokenizer.save_pretrained(path)
     return path
+
+
+def make_dflash(target, block: int = 4, num_layers: int = 2, seed: int = 0):
+    """A random DFlash drafter for a tiny target (norm weights perturbed so every norm path matters)."""
+    from byblock.drafters.dflash_model import DFlashConfig, DFlashDraftModel
+
+    n = target.num_layers
+    cfg = DFlashConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=128,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=block,
+        mask_token_id=target.vocab_size - 1,
+        target_layer_ids=(0, n - 1),
+        num_target_layers=n,
+        vocab_size=target.vocab_size,
+        rope_theta=10_000.0,
+    )
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    return model.eval()

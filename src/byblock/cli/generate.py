@@ -25,8 +25,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
-    parser.add_argument("--drafter", default="none", help="none | ngram | model:ID")
-    parser.add_argument("--block-size", type=int, default=8, help="deepest draft per round")
+    parser.add_argument("--drafter", default="none", help="none | ngram | model:ID | dflash[:PATH]")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per verify forward: the anchor + B-1 drafted (default 8; dflash: its trained block size)",
+    )
     parser.add_argument("--num-candidates", type=int, default=1, help="ngram: continuations merged into a tree")
     parser.add_argument("--tree-budget", type=int, default=32, help="max draft nodes per round (trees)")
     parser.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix matched")

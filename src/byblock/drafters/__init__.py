@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
+
+import torch
 
 from byblock.drafters.base import Drafter
+from byblock.drafters.dflash import DFlashDrafter
 from byblock.drafters.draft_model import ModelDrafter, check_same_vocabulary
 from byblock.drafters.ngram import NgramConfig, NgramDrafter
 from byblock.errors import ByblockError
@@ -18,6 +22,12 @@ class DrafterKind(Enum):
     NONE = "none"
     NGRAM = "ngram"
     MODEL = "model"
+    DFLASH = "dflash"
+
+
+# Drafters shipped inside the package, per built-in target (drafters/weights/<dir>).
+SHIPPED_DFLASH = {"smollm2-135m": "smollm2-135m-dflash"}
+DEFAULT_BLOCK = 8
 
 
 @dataclass(frozen=True)
@@ -25,8 +35,8 @@ class DrafterSpec:
     """A parsed `--drafter` value plus its knobs."""
 
     kind: DrafterKind
-    model: str | None = None  # for MODEL
-    block_size: int = 8
+    model: str | None = None  # MODEL: a model id; DFLASH: a checkpoint dir (None: the shipped one)
+    block_size: int | None = None  # tokens per verify forward (anchor + B-1 drafts); None: the drafter's default
     num_candidates: int = 1
     tree_budget: int = 32
     ngram_min: int = 1
@@ -34,20 +44,22 @@ class DrafterSpec:
 
     @staticmethod
     def parse(text: str, **knobs: int) -> DrafterSpec:
-        """'none' | 'ngram' | 'model:ID' -> DrafterSpec (a one-line error for anything else)."""
+        """'none' | 'ngram' | 'model:ID' | 'dflash[:PATH]' -> DrafterSpec (a one-line error otherwise)."""
         name, _, arg = text.partition(":")
         try:
             kind = DrafterKind(name)
         except ValueError:
-            choices = "none, ngram, model:ID"
+            choices = "none, ngram, model:ID, dflash[:PATH]"
             raise ByblockError(f"unknown drafter '{text}' (choose from {choices})") from None
         if kind is DrafterKind.MODEL and not arg:
             raise ByblockError("drafter 'model' needs a model: --drafter model:ID")
-        if kind is not DrafterKind.MODEL and arg:
+        if kind not in (DrafterKind.MODEL, DrafterKind.DFLASH) and arg:
             raise ByblockError(f"drafter '{name}' takes no ':{arg}' argument")
-        for knob in ("block_size", "num_candidates", "tree_budget", "ngram_min", "ngram_max"):
+        for knob in ("num_candidates", "tree_budget", "ngram_min", "ngram_max"):
             if knobs.get(knob, 1) < 1:
                 raise ByblockError(f"--{knob.replace('_', '-')} must be >= 1")
+        if knobs.get("block_size") is not None and knobs["block_size"] < 2:
+            raise ByblockError("--block-size must be >= 2 (the anchor plus at least one drafted token)")
         if knobs.get("ngram_min", 1) > knobs.get("ngram_max", 3):
             raise ByblockError("--ngram-min must not exceed --ngram-max")
         return DrafterSpec(kind=kind, model=arg or None, **knobs)
@@ -57,24 +69,47 @@ def build_drafter(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"
     """Instantiate the drafter a spec names (None for plain decoding)."""
     if spec.kind is DrafterKind.NONE:
         return None
+    depth = (spec.block_size or DEFAULT_BLOCK) - 1
     if spec.kind is DrafterKind.NGRAM:
         cfg = NgramConfig(
-            block_size=spec.block_size,
+            block_size=depth,
             min_n=spec.ngram_min,
             max_n=spec.ngram_max,
             num_candidates=spec.num_candidates,
             tree_budget=spec.tree_budget,
         )
         return NgramDrafter(cfg)
+    if spec.kind is DrafterKind.DFLASH:
+        return build_dflash(spec, target, dtype)
     from byblock.models.loading import load_model
 
     assert spec.model is not None
     draft = load_model(spec.model, dtype=dtype)
     check_same_vocabulary(draft, target)
-    return ModelDrafter(draft, target_vocab=target.vocab_size, block_size=spec.block_size)
+    return ModelDrafter(draft, target_vocab=target.vocab_size, block_size=depth)
+
+
+def shipped_dflash_dir(target_name: str) -> Path:
+    """The DFlash checkpoint shipped for a built-in target (a one-line error when there is none)."""
+    sub = SHIPPED_DFLASH.get(target_name)
+    path = Path(__file__).parent / "weights" / sub if sub else None
+    if path is None or not (path / "config.json").is_file():
+        raise ByblockError(f"no DFlash drafter ships for model '{target_name}': pass one with --drafter dflash:PATH")
+    return path
+
+
+def build_dflash(spec: DrafterSpec, target: TargetModel, dtype: str = "float32") -> DFlashDrafter:
+    """A DFlash drafter from a checkpoint dir (or the one shipped for the target), in the target's dtype."""
+    from byblock.drafters.dflash_format import load_dflash
+    from byblock.models.loading import DTYPES
+
+    path = Path(spec.model).expanduser() if spec.model else shipped_dflash_dir(target.name)
+    model, vocab = load_dflash(path, dtype=DTYPES.get(dtype, torch.float32))
+    return DFlashDrafter(model, target, block=spec.block_size, draft_vocab=vocab)
 
 
 __all__ = [
+    "DFlashDrafter",
     "Drafter",
     "DrafterKind",
     "DrafterSpec",

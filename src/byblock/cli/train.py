@@ -1,0 +1,117 @@
+"""`byblock train dflash`: regenerate → train → export a DFlash drafter for any HF target.
+
+    byblock train dflash --target smollm2-135m --prompts train_prompts.jsonl --out runs/smollm2 [--stage all]
+
+Work directory layout: OUT/regen (shards + manifest), OUT/train (state.pt, train.log), OUT/export (the
+DFlash checkpoint). Every stage resumes where a killed run stopped; run the same command again.
+Multi-process training: `torchrun --nproc_per_node=2 -m byblock.cli.main train dflash ... --stage train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+from enum import Enum
+from pathlib import Path
+
+from byblock.models.registry import DEFAULT_MODEL
+
+
+class Stage(Enum):
+    """Pipeline stages, in order."""
+
+    REGENERATE = "regenerate"
+    TRAIN = "train"
+    EXPORT = "export"
+    ALL = "all"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `byblock train`."""
+    from byblock.training.dflash_train import TrainConfig
+
+    parser.add_argument("method", choices=["dflash"], help="what to train")
+    parser.add_argument("--target", default=DEFAULT_MODEL, help="the target model the drafter serves")
+    parser.add_argument("--prompts", help="training prompts (JSONL with a 'prompt' field); never the eval sets")
+    parser.add_argument("--out", required=True, help="work directory (regen/, train/, export/ inside)")
+    parser.add_argument("--stage", default="all", choices=[s.value for s in Stage])
+    g = parser.add_argument_group("regenerate")
+    g.add_argument("--features", type=int, default=5, help="target layers whose hidden states are fused")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped")
+    g.add_argument("--batch-size", type=int, default=64, help="sequences decoded together")
+    g.add_argument("--topk", type=int, default=8, help="target log-probs kept per position (distillation)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy responses")
+    g.add_argument("--limit", type=int, default=None, help="regenerate only this many prompts")
+    t = parser.add_argument_group("train")
+    defaults = TrainConfig()
+    for f in fields(TrainConfig):
+        if f.name in ("seed",):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        value = getattr(defaults, f.name)
+        if isinstance(value, bool):
+            t.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=value, metavar="BOOL")
+        else:
+            t.add_argument(flag, type=float if f.name in ("gamma",) else type(value), default=value)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _logging(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    root = logging.getLogger("byblock")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the requested stages in order."""
+    from byblock.errors import ByblockError
+    from byblock.training.dflash_train import TrainConfig
+    from byblock.training.regenerate import RegenConfig, build_target_layer_ids
+
+    stage = Stage(args.stage)
+    out = Path(args.out)
+    _logging(out / "pipeline.log")
+    summary: dict = {}
+    if stage in (Stage.REGENERATE, Stage.ALL):
+        if not args.prompts:
+            raise ByblockError("--prompts is required to regenerate")
+        from byblock.models.loading import load_model
+        from byblock.training.regenerate import regenerate
+
+        num_layers = load_model(args.target, relayout=False).num_layers
+        cfg = RegenConfig(
+            target=args.target,
+            prompts=args.prompts,
+            layer_ids=build_target_layer_ids(num_layers, args.features),
+            max_new_tokens=args.max_new_tokens,
+            max_prompt_tokens=args.max_prompt_tokens,
+            batch_size=args.batch_size,
+            topk=args.topk,
+            temperature=args.temperature,
+            seed=args.seed,
+            limit=args.limit,
+        )
+        summary["regenerate"] = regenerate(cfg, out / "regen", progress=not args.quiet)
+    if stage in (Stage.TRAIN, Stage.EXPORT, Stage.ALL):
+        from byblock.training.dflash_train import DFlashTrainer
+
+        values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+        if values["gamma"] is not None:
+            values["gamma"] = float(values["gamma"])
+        tcfg = TrainConfig(**values)
+        trainer = DFlashTrainer(args.target, out / "regen", out / "train", tcfg)
+        if stage is Stage.EXPORT and trainer.step == 0:
+            raise ByblockError(f"nothing trained yet in {out / 'train'} (run --stage train first)")
+        if stage is not Stage.EXPORT:
+            summary["train"] = trainer.run(progress=not args.quiet)
+        if trainer.rank == 0 and stage is not Stage.TRAIN:
+            summary["export"] = str(trainer.export(out / "export"))
+    sys.stderr.write(f"{summary}\n")
+    return 0

@@ -1,0 +1,130 @@
+"""DFlash drafter: one forward of a small block-diffusion network drafts a whole chain (seed 002).
+
+Per round (reference `dflash_generate`, byblock's engine contract):
+    context   target features of every committed token before the anchor; new ones are projected once and
+              appended to the drafter's own context K/V cache (so a round costs O(B), not O(context))
+    block     [x_a, MASK × (B−1)] at positions a .. a+B−1, embedded with the target's frozen embedding
+    draft     rows 1..B−1 of target_lm_head(drafter(block, context))  (greedy: argmax; sampling: a draw from
+              the processed distribution q, which verification then corrects for — lossless either way)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from byblock.drafters.dflash_model import DFlashDraftModel
+from byblock.errors import ByblockError
+from byblock.models.adapter import TargetModel
+from byblock.sampling.params import SamplingParams
+from byblock.sampling.processors import process_logits, sample
+from byblock.verify.types import Draft, Verdict
+
+
+def check_compatible(model: DFlashDraftModel, target: TargetModel) -> None:
+    """Refuse a drafter trained for another target shape (a one-line error, not a shape crash later)."""
+    cfg = model.config
+    problems = []
+    if cfg.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {cfg.hidden_size} vs target {target.hidden_size}")
+    if max(cfg.target_layer_ids) >= target.num_layers:
+        problems.append(f"feature layers {list(cfg.target_layer_ids)} but the target has {target.num_layers}")
+    if cfg.vocab_size and cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {cfg.vocab_size} vs target {target.vocab_size}")
+    if problems:
+        raise ByblockError(f"DFlash drafter does not fit target '{target.name}': {'; '.join(problems)}")
+
+
+class DFlashDrafter:
+    """Drafter protocol over a DFlashDraftModel and its target's embedding and LM head."""
+
+    name = "dflash"
+
+    def __init__(
+        self,
+        model: DFlashDraftModel,
+        target: TargetModel,
+        block: int | None = None,
+        draft_vocab: torch.Tensor | None = None,
+    ) -> None:
+        check_compatible(model, target)
+        self.model = model.eval()
+        self.block = block or model.config.block_size  # B: tokens per drafter forward, anchor included
+        if self.block < 2:
+            raise ByblockError("a DFlash block needs at least 2 tokens (anchor + one draft)")
+        self.block_size = self.block - 1  # the deepest draft (Drafter protocol)
+        self.hidden_layers = tuple(model.config.target_layer_ids)
+        self.mask_token_id = model.config.mask_token_id
+        self.vocab_size = target.vocab_size
+        # The reference embeds with the raw table (any in-model embedding scale is bypassed).
+        self.embed_weight = target.hf.get_input_embeddings().weight  # [V, H]
+        head = target.hf.get_output_embeddings()
+        head_t = head.weight_t if hasattr(head, "weight_t") else head.weight.t()  # [H, V]
+        self.draft_vocab = draft_vocab
+        if draft_vocab is not None:
+            head_t = head_t[:, draft_vocab]  # [H, Vd]: a restricted head is a cheaper drafter forward
+        self.head_t = head_t.contiguous() if draft_vocab is not None else head_t
+        self.softcap = getattr(target.text_config, "final_logit_softcapping", None)
+        self.dtype = next(model.parameters()).dtype
+        self._cache: list[list[torch.Tensor]] = []
+        self._pending: torch.Tensor | None = None  # [C, k*H] target features not yet in the drafter cache
+        self._pending_start = 0  # position of the first pending feature
+        self._params = SamplingParams()
+        self._generator: torch.Generator | None = None
+
+    def start(
+        self,
+        prompt_ids: list[int],
+        target_hidden: torch.Tensor | None,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> None:
+        """Reset; the prompt's features become the first context."""
+        if target_hidden is None:
+            raise ByblockError("the DFlash drafter needs the target's hidden states")
+        self._cache = [[] for _ in self.model.layers]
+        self._pending = target_hidden[0]
+        self._pending_start = 0
+        self._params, self._generator = params, generator
+
+    def draft_logits(self, anchor: int, anchor_pos: int, depth: int) -> torch.Tensor:
+        """Run the drafter once; logits [depth, V_draft] for positions anchor_pos+1 .. anchor_pos+depth."""
+        assert self._pending is not None
+        c = self._pending.shape[0]
+        if self._pending_start + c != anchor_pos:
+            raise RuntimeError(f"drafter context ends at {self._pending_start + c}, anchor at {anchor_pos}")
+        ids = torch.full((self.block,), self.mask_token_id, dtype=torch.long)
+        ids[0] = anchor
+        embeds = F.embedding(ids, self.embed_weight)[None]  # [1, B, H]
+        block_pos = torch.arange(anchor_pos, anchor_pos + self.block)[None]  # [1, B]
+        ctx_pos = torch.arange(self._pending_start, anchor_pos)[None]  # [1, C]
+        with torch.inference_mode():
+            h = self.model(embeds, self._pending[None], block_pos, ctx_pos, cache=self._cache)  # [1, B, H]
+            logits = h[0, 1 : 1 + depth].to(self.head_t.dtype) @ self.head_t  # [depth, Vd]
+        self._pending = self._pending[:0]
+        self._pending_start = anchor_pos
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def propose(self, tokens: list[int], max_depth: int) -> Draft:
+        """A chain of up to B−1 tokens after tokens[-1] (q set when sampling)."""
+        depth = min(self.block_size, max_depth)
+        logits = self.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [depth, Vd]
+        to_target = self.draft_vocab
+        if self._params.greedy:
+            picked = logits.argmax(-1)
+            chain = picked if to_target is None else to_target[picked]
+            return Draft.chain(chain)
+        q_small = process_logits(logits, self._params)  # [depth, Vd]
+        picked = sample(q_small, self._generator)
+        if to_target is None:
+            return Draft.chain(picked, q=q_small)
+        q = torch.zeros(depth, self.vocab_size)
+        q[:, to_target] = q_small
+        return Draft.chain(to_target[picked], q=q)
+
+    def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
+        """Queue the features of the root and the accepted tokens as new context."""
+        assert target_hidden is not None and self._pending is not None
+        self._pending = torch.cat([self._pending, target_hidden[0]])

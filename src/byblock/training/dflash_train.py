@@ -1,0 +1,318 @@
+"""Stage 2: train a DFlash drafter on regenerated shards (no target forwards: features are on disk).
+
+Objective (paper Eq. 4): Σ_k w_k · CE(draft_k, x_{a+k}) over block positions k = 1..B−1, w_k = exp(−(k−1)/γ),
+optionally mixed with a cross-entropy against the target's stored top-k distribution (distillation).
+AdamW, linear warm-up + cosine decay, gradient clipping. Offline τ on held-out shards: for a block at an
+anchor with teacher-forced context, greedy verification accepts exactly the leading positions where the
+draft argmax equals the target's token, so 1 + (that prefix length) is the round's τ.
+
+Resumable: `state.pt` (model, optimizer, step) is replaced atomically every `ckpt_every` steps; batches
+depend only on (seed, rank, step), so a resumed run sees the batches the killed one would have seen.
+Runs in one process or under `torchrun --nproc_per_node=N` (DDP over gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from byblock.drafters.dflash_model import DFlashConfig, DFlashDraftModel, init_from_target
+from byblock.errors import ByblockError
+from byblock.training.dflash_data import (
+    IGNORE,
+    Batch,
+    Sequence,
+    build_draft_vocab,
+    cosine_lr,
+    decay_weights,
+    default_gamma,
+    load_shards,
+    make_batch,
+    sample_anchors,
+    target_to_draft,
+)
+from byblock.training.regenerate import MANIFEST
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Recipe of one drafter training run (written next to the checkpoints; a resume must match it)."""
+
+    num_layers: int = 3
+    block_size: int = 16
+    gamma: float | None = None  # None: the paper's value for the block size
+    draft_vocab_size: int = 8192  # 0: the full target vocabulary
+    steps: int = 2000
+    seqs_per_step: int = 8  # per rank
+    anchors_per_seq: int = 16
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    distill: float = 0.5  # weight of the top-k distillation term (0: hard labels only, as in the paper)
+    init_from_target: bool = True
+    val_shards: int = 1  # the last shards are held out for τ
+    val_blocks: int = 256
+    eval_every: int = 200
+    ckpt_every: int = 50
+    seed: int = 0
+
+
+def _world() -> tuple[int, int]:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def pick_mask_token(tokenizer, seqs: list[Sequence], eos: frozenset[int], vocab_size: int) -> int:
+    """A token id the target never emits: an unused special token, else the last id of the vocabulary."""
+    seen: set[int] = set()
+    for s in seqs:
+        seen.update(s.tokens[s.prompt_len :].unique().tolist())
+    specials = sorted(
+        set(getattr(tokenizer, "all_special_ids", [])) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    )
+    for t in reversed(specials):
+        if t not in seen and t not in eos and t < vocab_size:
+            return int(t)
+    return vocab_size - 1
+
+
+class DFlashTrainer:
+    """Holds the frozen target pieces (embedding, head), the data, the draft model and its optimizer."""
+
+    def __init__(self, target_name: str, data_dir: str | Path, out_dir: str | Path, cfg: TrainConfig) -> None:
+        from byblock.models.loading import load_model
+
+        self.cfg = cfg
+        self.data_dir, self.out_dir = Path(data_dir), Path(out_dir)
+        self.rank, self.world = _world()
+        manifest_path = self.data_dir / MANIFEST
+        if not manifest_path.is_file():
+            raise ByblockError(f"{self.data_dir} has no regenerated data (run the regenerate stage first)")
+        self.manifest = json.loads(manifest_path.read_text())
+        shards = sorted(self.data_dir.glob("shard_*.safetensors"))
+        if len(shards) <= cfg.val_shards:
+            raise ByblockError(f"{self.data_dir}: {len(shards)} shards; need more than val_shards={cfg.val_shards}")
+        self.train_paths, self.val_paths = shards[: -cfg.val_shards], shards[-cfg.val_shards :]
+        target = load_model(target_name, dtype="float32", relayout=False)
+        self.target_name = target_name
+        self.embed = target.hf.get_input_embeddings().weight.detach()  # [V, H] frozen
+        head = target.hf.get_output_embeddings().weight.detach()  # [V, H] frozen
+        self.train = load_shards(self.train_paths)
+        self.val = load_shards(self.val_paths)
+        self.train = [s for s in self.train if s.num_anchors > 0]
+        state_path = self.out_dir / "state.pt"
+        resumed = torch.load(state_path, weights_only=False) if state_path.is_file() else None
+        if resumed is not None:
+            if resumed["config"] != asdict(cfg) or resumed["train_paths"] != [p.name for p in self.train_paths]:
+                raise ByblockError(f"{self.out_dir} holds a run with another recipe or data; use a new --out")
+            vocab, mask_id = resumed["draft_vocab"], resumed["mask_token_id"]
+            self.coverage = resumed["coverage"]
+        else:
+            if cfg.draft_vocab_size:
+                vocab, self.coverage = build_draft_vocab(self.train, cfg.draft_vocab_size, set(target.eos_token_ids))
+            else:
+                vocab, self.coverage = torch.arange(target.vocab_size), 1.0
+            mask_id = pick_mask_token(target.tokenizer, self.train, target.eos_token_ids, target.vocab_size)
+        self.vocab = vocab
+        self.to_draft = target_to_draft(vocab, target.vocab_size)
+        self.head_t = head[vocab].t().contiguous()  # [H, Vd]
+        layer_ids = tuple(self.manifest["layer_ids"])
+        tc = target.text_config
+        self.model_cfg = DFlashConfig(
+            hidden_size=target.hidden_size,
+            intermediate_size=tc.intermediate_size,
+            num_layers=cfg.num_layers,
+            num_heads=tc.num_attention_heads,
+            num_kv_heads=getattr(tc, "num_key_value_heads", tc.num_attention_heads),
+            head_dim=getattr(tc, "head_dim", None) or target.hidden_size // tc.num_attention_heads,
+            block_size=cfg.block_size,
+            mask_token_id=mask_id,
+            target_layer_ids=layer_ids,
+            num_target_layers=target.num_layers,
+            vocab_size=target.vocab_size,
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
+            rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+            max_position_embeddings=target.max_context,
+            extra={"target": target_name, "recipe": asdict(cfg), "draft_vocab_coverage": round(self.coverage, 5)},
+        )
+        torch.manual_seed(cfg.seed)
+        self.model = DFlashDraftModel(self.model_cfg)
+        if cfg.init_from_target and resumed is None:
+            init_from_target(self.model, target.hf)
+        del target
+        self.weights = decay_weights(cfg.block_size, cfg.gamma or default_gamma(cfg.block_size))
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            (no_decay if p.ndim < 2 else decay).append(p)
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+        )
+        self.step = 0
+        if resumed is not None:
+            self.model.load_state_dict(resumed["model"])
+            self.opt.load_state_dict(resumed["optimizer"])
+            self.step = resumed["step"]
+        self.ddp = None
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.ddp = DistributedDataParallel(self.model)
+
+    # ---- one step -----------------------------------------------------------------------------------------
+
+    def batch_for(self, step: int, rank: int) -> Batch:
+        """The batch of (step, rank): a pure function of the seed, so resuming replays the same data."""
+        g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 1009 + rank)
+        idx = torch.randint(len(self.train), (self.cfg.seqs_per_step,), generator=g).tolist()
+        seqs = [self.train[i] for i in idx]
+        anchors = [sample_anchors(s, self.cfg.anchors_per_seq, g) for s in seqs]
+        return make_batch(seqs, anchors, self.cfg.block_size, self.model_cfg.mask_token_id, self.to_draft, self.weights)
+
+    def loss(self, batch: Batch, model: torch.nn.Module) -> tuple[torch.Tensor, dict]:
+        """Weighted CE (+ distillation) over labelled block positions; also returns accuracy stats."""
+        emb = F.embedding(batch.block_ids, self.embed)  # [b, T, H]
+        h = model(emb, batch.ctx_hidden.float(), batch.block_pos, batch.ctx_pos, batch.mask)  # [b, T, H]
+        sel = batch.weights > 0  # [b, T]
+        logp = torch.log_softmax(h[sel] @ self.head_t, dim=-1)  # [N, Vd]
+        w = batch.weights[sel]  # [N]
+        labels = batch.labels[sel]
+        hard = -logp.gather(1, labels[:, None])[:, 0]  # [N]
+        per_pos = hard
+        if self.cfg.distill > 0:
+            sid = batch.soft_ids[sel]  # [N, k]
+            ok = sid != IGNORE
+            pt = torch.softmax(batch.soft_logp[sel].masked_fill(~ok, float("-inf")), dim=-1)  # renormalised top-k
+            soft = -(pt * logp.gather(1, sid.clamp(min=0)).masked_fill(~ok, 0.0)).sum(-1)
+            per_pos = (1 - self.cfg.distill) * hard + self.cfg.distill * soft
+        loss = (w * per_pos).sum() / w.sum()
+        acc = (logp.argmax(-1) == labels).float().mean().item()
+        return loss, {"acc": acc, "positions": int(sel.sum())}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Offline τ and per-position acceptance on held-out blocks (greedy, teacher-forced context)."""
+        self.model.eval()
+        g = torch.Generator().manual_seed(12345)
+        block = self.cfg.block_size
+        accepted_total, blocks = 0, 0
+        per_pos = torch.zeros(block - 1)
+        seqs = [s for s in self.val if s.num_anchors > 0]
+        while blocks < self.cfg.val_blocks and seqs:
+            chosen = [seqs[int(torch.randint(len(seqs), (1,), generator=g))] for _ in range(8)]
+            anchors = [sample_anchors(s, 4, g) for s in chosen]
+            batch = make_batch(chosen, anchors, block, self.model_cfg.mask_token_id, self.to_draft, self.weights)
+            emb = F.embedding(batch.block_ids, self.embed)
+            h = self.model(emb, batch.ctx_hidden.float(), batch.block_pos, batch.ctx_pos, batch.mask)
+            pred = (h @ self.head_t).argmax(-1)  # [b, T] draft ids
+            hit = (pred == batch.labels) & (batch.labels != IGNORE)  # [b, T]
+            # A block only counts positions with a real next token; acceptance stops at the first miss.
+            hit = hit.view(-1, block)[:, 1:]  # [blocks, B-1]
+            has_label = (batch.labels.view(-1, block)[:, 1] != IGNORE) | (batch.weights.view(-1, block)[:, 1] > 0)
+            run = hit.long().cumprod(-1)[has_label]  # [n, B-1]
+            accepted_total += int(run.sum())
+            per_pos += run.float().sum(0)
+            blocks += int(has_label.sum())
+        self.model.train()
+        n = max(1, blocks)
+        return {"tau": 1 + accepted_total / n, "per_position": (per_pos / n).tolist(), "blocks": blocks}
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+
+    def save_state(self) -> None:
+        """Atomically replace state.pt (rank 0 only)."""
+        if self.rank != 0:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        state = {
+            "config": asdict(self.cfg),
+            "train_paths": [p.name for p in self.train_paths],
+            "draft_vocab": self.vocab,
+            "mask_token_id": self.model_cfg.mask_token_id,
+            "coverage": self.coverage,
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "step": self.step,
+        }
+        tmp = self.out_dir / "state.pt.tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self.out_dir / "state.pt")
+
+    def export(self, out: str | Path | None = None) -> Path:
+        """Write the current weights as a DFlash checkpoint (bf16 + byblock's draft vocabulary)."""
+        from byblock.drafters.dflash_format import save_dflash
+
+        vocab = self.vocab if self.cfg.draft_vocab_size else None
+        return save_dflash(self.model, out or self.out_dir / "export", torch.bfloat16, draft_vocab=vocab)
+
+    def run(self, progress: bool = True, stop_after: int | None = None) -> dict:
+        """Train to cfg.steps (or `stop_after` more steps); returns the last evaluation."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        model = self.ddp or self.model
+        self.model.train()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        logf = (self.out_dir / "train.log").open("a") if self.rank == 0 else None
+        if self.rank == 0:
+            log.info(
+                "train: %d sequences (%d shards), %d held out; draft vocab %d covers %.4f of labels; step %d/%d",
+                len(self.train),
+                len(self.train_paths),
+                len(self.val),
+                len(self.vocab),
+                self.coverage,
+                self.step,
+                cfg.steps,
+            )
+        end = cfg.steps if stop_after is None else min(cfg.steps, self.step + stop_after)
+        bar = tqdm(total=end, initial=self.step, desc="train", disable=not progress or self.rank != 0)
+        last_eval: dict = {}
+        t0, blocks_done = time.perf_counter(), 0
+        while self.step < end:
+            lr = cosine_lr(self.step, cfg.steps, cfg.lr, cfg.warmup)
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+            batch = self.batch_for(self.step, self.rank)
+            loss, info = self.loss(batch, model)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            self.opt.step()
+            self.step += 1
+            blocks_done += int((batch.weights.view(-1, cfg.block_size) > 0).any(-1).sum()) * self.world
+            rate = blocks_done / (time.perf_counter() - t0)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{info['acc']:.3f}", blocks_s=f"{rate:.0f}")
+            if logf is not None and (self.step % 10 == 0 or self.step == end):
+                row = {"step": self.step, "loss": loss.item(), "acc": info["acc"], "lr": lr, "gnorm": float(gnorm)}
+                logf.write(json.dumps({**row, "blocks_per_s": rate}) + "\n")
+                logf.flush()
+            if self.step % cfg.ckpt_every == 0 or self.step == end:
+                self.save_state()
+            if self.rank == 0 and (self.step % cfg.eval_every == 0 or self.step == end):
+                last_eval = self.evaluate()
+                assert logf is not None
+                logf.write(json.dumps({"step": self.step, "eval": last_eval}) + "\n")
+                logf.flush()
+                log.info("step %d: held-out τ %.3f", self.step, last_eval["tau"])
+        bar.close()
+        if logf is not None:
+            logf.close()
+        return last_eval

@@ -1,0 +1,152 @@
+"""DFlash drafter: losslessness (shared suite), cache exactness, checkpoint format, reference cross-check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from lossless import greedy_outputs_match
+from stats import chi_square_pvalue
+from tiny import make_dflash, make_target
+
+from byblock import SamplingParams
+from byblock.drafters import DrafterSpec, build_drafter
+from byblock.drafters.dflash import DFlashDrafter
+from byblock.drafters.dflash_format import load_dflash, save_dflash, to_hf_config
+from byblock.engine.spec_loop import speculative_decode
+from byblock.engine.types import SpecStats
+from byblock.errors import ByblockError
+from byblock.sampling.processors import process_logits
+
+ALPHA = 1e-3
+
+
+@pytest.mark.parametrize("block", [2, 4, 8])
+def test_dflash_greedy_is_lossless(tiny_target, block):
+    """Token-identical to plain decoding on every tiny architecture and block size."""
+    drafter = DFlashDrafter(make_dflash(tiny_target, block=block), tiny_target)
+    params = SamplingParams(max_new_tokens=40)
+    for prompt in ([5, 17, 33, 9], [7, 7, 7, 7, 7, 7, 7, 7, 7, 12, 40]):
+        _, spec = greedy_outputs_match(tiny_target, prompt, params, drafter)
+        assert spec.stats.rounds > 0
+
+
+def test_dflash_with_draft_vocab_is_lossless(tiny_targets):
+    target = tiny_targets["qwen3"]
+    vocab = torch.arange(0, target.vocab_size, 3)
+    drafter = DFlashDrafter(make_dflash(target), target, draft_vocab=vocab)
+    drafted = drafter.propose  # every proposal must be a target id inside the draft vocabulary
+
+    def checked(tokens, max_depth):
+        d = drafted(tokens, max_depth)
+        assert set(d.tokens.tolist()) <= set(vocab.tolist())
+        return d
+
+    drafter.propose = checked
+    greedy_outputs_match(target, [5, 17, 33, 9], SamplingParams(max_new_tokens=30), drafter)
+
+
+def test_dflash_sampling_matches_target_distribution():
+    """First 4 sampled tokens through the engine with a DFlash drafter vs the exactly computed joint law."""
+    target = make_target("llama")
+    params = SamplingParams(temperature=1.0, top_k=2, max_new_tokens=4)
+    prompt = [5, 17, 33, 9, 5, 17]
+    exact: dict[tuple[int, ...], float] = {}
+
+    def expand(prefix: list[int], prob: float) -> None:
+        if len(prefix) == 4:
+            exact[tuple(prefix)] = prob
+            return
+        logits = target.forward(torch.tensor([prompt + prefix]), target.new_cache()).logits[0, -1]
+        p = process_logits(logits, params)
+        for t in torch.nonzero(p).flatten().tolist():
+            expand([*prefix, t], prob * float(p[t]))
+
+    expand([], 1.0)
+    drafter = DFlashDrafter(make_dflash(target, block=4), target, draft_vocab=torch.arange(target.vocab_size - 1))
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(1500):
+        loop = speculative_decode(target, drafter, prompt, params, g, SpecStats())
+        samples.append(tuple(next(loop).token_id for _ in range(4)))
+        loop.close()
+    assert chi_square_pvalue(samples, exact) > ALPHA
+
+
+def test_cached_rounds_equal_one_uncached_forward(tiny_targets):
+    """Context K/V cached over rounds gives the same block states as one pass over the whole context."""
+    target = tiny_targets["llama"]
+    model = make_dflash(target, block=4)
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(1, 11, cfg.num_features * cfg.hidden_size, generator=g)  # 11 context positions
+    block = torch.randn(1, 4, cfg.hidden_size, generator=g)
+    bpos = torch.arange(11, 15)[None]
+    with torch.no_grad():
+        full = model(block, feats, bpos, torch.arange(11)[None])
+        cache = [[] for _ in model.layers]
+        model(block, feats[:, :6], torch.arange(6, 10)[None], torch.arange(6)[None], cache=cache)
+        model(block, feats[:, 6:9], torch.arange(9, 13)[None], torch.arange(6, 9)[None], cache=cache)
+        cached = model(block, feats[:, 9:], bpos, torch.arange(9, 11)[None], cache=cache)
+    torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
+
+
+def test_checkpoint_roundtrip_and_layout(tmp_path, tiny_targets):
+    target = tiny_targets["llama"]
+    model = make_dflash(target, block=4)
+    vocab = torch.tensor([0, 2, 3, 10, 200])
+    save_dflash(model, tmp_path / "ck", dtype=torch.float32, draft_vocab=vocab)
+    raw = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["model_type"] == "qwen3"
+    assert raw["block_size"] == 4 and raw["num_target_layers"] == target.num_layers
+    assert raw["dflash_config"] == {"mask_token_id": target.vocab_size - 1, "target_layer_ids": [0, 1]}
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "ck" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight"} <= keys
+    assert "layers.1.mlp.down_proj.weight" in keys and not any("embed" in k or "lm_head" in k for k in keys)
+    loaded, loaded_vocab = load_dflash(tmp_path / "ck")
+    assert torch.equal(loaded_vocab, vocab)
+    for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    assert to_hf_config(loaded.config, torch.float32) == raw
+
+
+def test_bad_checkpoints_and_mismatched_targets_are_one_line_errors(tmp_path, tiny_targets):
+    with pytest.raises(ByblockError, match="not a DFlash checkpoint"):
+        load_dflash(tmp_path)
+    model = make_dflash(tiny_targets["llama"])
+    save_dflash(model, tmp_path / "ck")
+    raw = json.loads((tmp_path / "ck" / "config.json").read_text())
+    del raw["dflash_config"]["mask_token_id"]
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ByblockError, match="mask_token_id"):
+        load_dflash(tmp_path / "ck")
+    wrong = make_dflash(tiny_targets["gemma3"])  # feature layer 3 does not exist in the 2-layer llama
+    with pytest.raises(ByblockError, match="does not fit"):
+        DFlashDrafter(wrong, tiny_targets["llama"])
+    with pytest.raises(ByblockError, match="no DFlash drafter ships"):
+        build_drafter(DrafterSpec.parse("dflash"), tiny_targets["llama"])
+
+
+def test_reference_implementation_gives_equal_draft_logits(tmp_path, tiny_targets):
+    """Export, load into the reference `dflash` package's DFlashDraftModel, compare draft logits."""
+    ref = pytest.importorskip("dflash.model")
+    target = tiny_targets["qwen3"]
+    model = make_dflash(target, block=4)
+    save_dflash(model, tmp_path / "ck", dtype=torch.float32)
+    theirs = ref.DFlashDraftModel.from_pretrained(str(tmp_path / "ck"), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    ctx = 9
+    feats = torch.randn(1, ctx, 2 * target.hidden_size, generator=g)
+    ids = torch.tensor([[17] + [model.config.mask_token_id] * 3])
+    emb = target.hf.get_input_embeddings().weight[ids]  # [1, 4, H]
+    head = target.hf.get_output_embeddings()
+    with torch.no_grad():
+        ours = model(emb, feats, torch.arange(ctx, ctx + 4)[None], torch.arange(ctx)[None])
+        their_h = theirs(
+            position_ids=torch.arange(ctx + 4)[None], noise_embedding=emb, target_hidden=feats, use_cache=False
+        )
+        torch.testing.assert_close(head(ours[:, 1:]), head(their_h[:, 1:]), rtol=1e-5, atol=1e-5)

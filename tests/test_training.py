@@ -1,0 +1,176 @@
+"""The DFlash training pipeline on a tiny target: regenerate (batched == plain greedy), resume, train, export."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from lossless import greedy_outputs_match
+
+from byblock import SamplingParams, generate
+from byblock.drafters.dflash import DFlashDrafter
+from byblock.drafters.dflash_format import load_dflash
+from byblock.models.loading import load_model
+from byblock.training.dflash_data import (
+    IGNORE,
+    cosine_lr,
+    decay_weights,
+    load_shards,
+    make_batch,
+    sample_anchors,
+    target_to_draft,
+)
+from byblock.training.dflash_train import DFlashTrainer, TrainConfig
+from byblock.training.regenerate import RegenConfig, build_target_layer_ids, regenerate
+
+PROMPTS = ["def add(a, b):", "hello world", "the cat sat on", "print(x)", "a b c", "return a", "x = 1", "1 2 3 4"]
+
+
+@pytest.fixture(scope="module")
+def regen_dir(tmp_path_factory, tiny_llama_dir):
+    root = tmp_path_factory.mktemp("regen")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    cfg = RegenConfig(
+        target=str(tiny_llama_dir), prompts=str(prompts), layer_ids=(0, 1), max_new_tokens=24, batch_size=3
+    )
+    regenerate(cfg, root / "regen", progress=False)
+    return root
+
+
+def test_layer_ids_follow_the_reference_rule():
+    assert build_target_layer_ids(30, 5) == (1, 8, 14, 20, 27)
+    assert build_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # the published Qwen3-8B drafter's
+    assert build_target_layer_ids(30, 1) == (15,)
+
+
+def test_batched_regeneration_equals_plain_greedy(regen_dir, tiny_llama_dir):
+    """Left-padded batched decoding gives each prompt exactly its unbatched greedy answer and features."""
+    target = load_model(str(tiny_llama_dir), relayout=False)
+    seqs = load_shards(sorted((regen_dir / "regen").glob("shard_*.safetensors")))
+    assert len(seqs) == len(PROMPTS)
+    for s in seqs:
+        prompt = s.tokens[: s.prompt_len].tolist()
+        plain = generate(target, prompt, SamplingParams(max_new_tokens=24, ignore_eos=False))
+        assert s.tokens[s.prompt_len :].tolist() == plain.token_ids
+        out = target.forward(s.tokens[None, :-1], target.new_cache(), hidden_layers=(0, 1))
+        torch.testing.assert_close(s.hidden.float(), out.hidden[0], rtol=2e-2, atol=2e-2)  # stored in bf16
+        assert s.topk_ids[:, 0].tolist() == plain.token_ids  # top-1 of the stored distribution = the token
+
+
+def test_regeneration_resumes_and_refuses_other_settings(tmp_path, regen_dir, tiny_llama_dir):
+    from byblock.errors import ByblockError
+
+    prompts = regen_dir / "prompts.jsonl"
+    cfg = RegenConfig(
+        target=str(tiny_llama_dir), prompts=str(prompts), layer_ids=(0, 1), max_new_tokens=8, batch_size=3
+    )
+    out = tmp_path / "r"
+    first = regenerate(RegenConfig(**{**cfg.__dict__, "limit": 3}), out, progress=False)
+    assert first["shards"] == 1
+    stamp = (out / "shard_00000.safetensors").stat().st_mtime_ns
+    second = regenerate(cfg, out, progress=False)
+    assert second["shards"] == 3 and (out / "shard_00000.safetensors").stat().st_mtime_ns == stamp
+    with pytest.raises(ByblockError, match="different settings"):
+        regenerate(RegenConfig(**{**cfg.__dict__, "max_new_tokens": 9}), out, progress=False)
+
+
+def test_block_batch_masks_and_labels(regen_dir):
+    seqs = [s for s in load_shards(sorted((regen_dir / "regen").glob("shard_*"))) if s.num_anchors >= 3]
+    seq = seqs[0]
+    g = torch.Generator().manual_seed(0)
+    anchors = sample_anchors(seq, 2, g)
+    lut = target_to_draft(torch.arange(400), 400)
+    w = decay_weights(4, 4.0)
+    b = make_batch([seq], [anchors], 4, 399, lut, w)
+    c = b.ctx_hidden.shape[1]
+    for j, a in enumerate(anchors.tolist()):
+        rows = b.mask[0, 0, j * 4 : (j + 1) * 4]
+        assert rows[:, :a].all() and not rows[:, a:c].any()  # features strictly before the anchor
+        assert rows[:, c + j * 4 : c + (j + 1) * 4].all()  # its own block, bidirectionally
+        assert rows[:, c:].sum() == 4 * 4  # and no other block
+        assert b.block_ids[0, j * 4] == seq.tokens[a] and (b.block_ids[0, j * 4 + 1 : (j + 1) * 4] == 399).all()
+        labels = b.labels[0, j * 4 : (j + 1) * 4].tolist()
+        assert labels[0] == IGNORE
+        for k in range(1, 4):
+            want = int(seq.tokens[a + k]) if a + k < len(seq.tokens) else IGNORE
+            assert labels[k] == want
+    assert torch.allclose(w[1:], torch.exp(-torch.arange(3.0) / 4.0)) and w[0] == 0
+
+
+def test_cosine_schedule():
+    lrs = [cosine_lr(s, 100, 1.0, 0.1) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and lrs[-1] < 0.01
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:]))
+
+
+def _cfg(**kw) -> TrainConfig:
+    base = dict(
+        num_layers=1,
+        block_size=4,
+        draft_vocab_size=0,
+        steps=6,
+        seqs_per_step=2,
+        anchors_per_seq=3,
+        lr=3e-3,
+        val_blocks=8,
+        eval_every=3,
+        ckpt_every=1,
+        distill=0.5,
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def test_training_resumes_exactly_and_exports_a_lossless_drafter(tmp_path, regen_dir, tiny_llama_dir):
+    straight = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "a", _cfg())
+    straight.run(progress=False)
+    first = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "b", _cfg())
+    first.run(progress=False, stop_after=4)  # "killed" after step 4
+    resumed = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "b", _cfg())
+    assert resumed.step == 4
+    resumed.run(progress=False)
+    for (k, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
+    log = [json.loads(line) for line in (tmp_path / "a" / "train.log").read_text().splitlines()]
+    assert any("eval" in row and row["eval"]["tau"] >= 1.0 for row in log)
+    path = straight.export(tmp_path / "export")
+    model, _ = load_dflash(path)
+    target = load_model(str(tiny_llama_dir))
+    drafter = DFlashDrafter(model, target)
+    greedy_outputs_match(target, [5, 17, 33, 9], SamplingParams(max_new_tokens=30), drafter)
+
+
+def test_training_lowers_loss_on_tiny_data(tmp_path, regen_dir, tiny_llama_dir):
+    cfg = _cfg(steps=60, seqs_per_step=4, ckpt_every=1000, eval_every=1000)
+    trainer = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "t", cfg)
+    before = trainer.loss(trainer.batch_for(0, 0), trainer.model)[0].item()
+    trainer.run(progress=False)
+    after = trainer.loss(trainer.batch_for(0, 0), trainer.model)[0].item()
+    assert after < 0.7 * before
+
+
+def test_cli_pipeline_and_torchrun(tmp_path, regen_dir, tiny_llama_dir):
+    """`byblock train dflash` stages through the real CLI, training under torchrun with 2 gloo ranks."""
+    out = tmp_path / "run"
+    common = ["train", "dflash", "--target", str(tiny_llama_dir), "--out", str(out), "--quiet"]
+    tiny = ["--features", "2", "--max-new-tokens", "16", "--batch-size", "4", "--num-layers", "1"]
+    tiny += ["--block-size", "4", "--draft-vocab-size", "0", "--steps", "4", "--seqs-per-step", "2"]
+    tiny += ["--anchors-per-seq", "2", "--eval-every", "2", "--val-blocks", "4"]
+    prompts = str(regen_dir / "prompts.jsonl")
+    cli = [sys.executable, "-m", "byblock.cli.main"]
+    r = subprocess.run(
+        [*cli, *common, *tiny, "--prompts", prompts, "--stage", "regenerate"], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "byblock.cli.main"]
+    r = subprocess.run([*torchrun, *common, *tiny, "--stage", "train"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([*cli, *common, *tiny, "--stage", "export"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert (out / "export" / "config.json").is_file() and (out / "train" / "state.pt").is_file()
+    r = subprocess.run([*cli, *common, "--stage", "export", "--steps", "5"], capture_output=True, text=True)
+    assert r.returncode == 2 and "another recipe" in r.stderr and "Traceback" not in r.stderr
