@@ -150,3 +150,11 @@ def test_reference_implementation_gives_equal_draft_logits(tmp_path, tiny_target
             position_ids=torch.arange(ctx + 4)[None], noise_embedding=emb, target_hidden=feats, use_cache=False
         )
         torch.testing.assert_close(head(ours[:, 1:]), head(their_h[:, 1:]), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_drafter_is_lossless(tiny_targets):
+    """The drafter may run in bf16 (cheaper); verification keeps the output exact."""
+    target = tiny_targets["llama"]
+    drafter = DFlashDrafter(make_dflash(target, block=8), target, dtype=torch.bfloat16)
+    assert next(drafter.model.parameters()).dtype == torch.bfloat16
+    greedy_outputs_match(target, [5, 17, 33, 9], SamplingParams(max_new_tokens=40), drafter)

@@ -59,3 +59,30 @@ def test_relayout_model_greedy_unchanged(arch):
     before = generate(target, ids, SamplingParams(max_new_tokens=30)).token_ids
     assert relayout_linears(target.hf) > 0
     assert generate(target, ids, SamplingParams(max_new_tokens=30)).token_ids == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dual_layout_linear_matches_nn_linear_in_both_regimes(dtype):
+    from byblock.models.fast_linear import DualLayoutLinear, dual_layout_linears
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 96, bias=True).to(dtype)
+    fast = DualLayoutLinear(lin, min_rows=4, rows_use_t=dtype == torch.bfloat16)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for m in (1, 3, 4, 17):  # below and above the row threshold: both kernels
+        x = torch.randn(1, m, 48, dtype=dtype)
+        torch.testing.assert_close(fast(x), lin(x), atol=tol, rtol=tol)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    assert dual_layout_linears(model) == 2 and fast.weight.shape == lin.weight.shape
+
+
+def test_dual_layout_model_greedy_unchanged():
+    from tiny import make_target
+
+    from byblock.models.fast_linear import dual_layout_linears
+
+    target = make_target("qwen3")
+    ids = target.encode_prompt("def add(a, b):", chat=True)
+    before = generate(target, ids, SamplingParams(max_new_tokens=30)).token_ids
+    assert dual_layout_linears(target.hf) > 0
+    assert generate(target, ids, SamplingParams(max_new_tokens=30)).token_ids == before

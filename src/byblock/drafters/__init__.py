@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from byblock.drafters.base import Drafter
+from byblock.drafters.ddtree import DDTreeDrafter
 from byblock.drafters.dflash import DFlashDrafter
 from byblock.drafters.draft_model import ModelDrafter, check_same_vocabulary
 from byblock.drafters.ngram import NgramConfig, NgramDrafter
@@ -23,6 +24,7 @@ class DrafterKind(Enum):
     NGRAM = "ngram"
     MODEL = "model"
     DFLASH = "dflash"
+    DDTREE = "ddtree"
 
 
 # Drafters shipped inside the package, per built-in target (drafters/weights/<dir>).
@@ -44,16 +46,16 @@ class DrafterSpec:
 
     @staticmethod
     def parse(text: str, **knobs: int) -> DrafterSpec:
-        """'none' | 'ngram' | 'model:ID' | 'dflash[:PATH]' -> DrafterSpec (a one-line error otherwise)."""
+        """'none' | 'ngram' | 'model:ID' | 'dflash[:PATH]' | 'ddtree[:PATH]' -> DrafterSpec (else a one-line error)."""
         name, _, arg = text.partition(":")
         try:
             kind = DrafterKind(name)
         except ValueError:
-            choices = "none, ngram, model:ID, dflash[:PATH]"
+            choices = "none, ngram, model:ID, dflash[:PATH], ddtree[:PATH]"
             raise ByblockError(f"unknown drafter '{text}' (choose from {choices})") from None
         if kind is DrafterKind.MODEL and not arg:
             raise ByblockError("drafter 'model' needs a model: --drafter model:ID")
-        if kind not in (DrafterKind.MODEL, DrafterKind.DFLASH) and arg:
+        if kind not in (DrafterKind.MODEL, DrafterKind.DFLASH, DrafterKind.DDTREE) and arg:
             raise ByblockError(f"drafter '{name}' takes no ':{arg}' argument")
         for knob in ("num_candidates", "tree_budget", "ngram_min", "ngram_max"):
             if knobs.get(knob, 1) < 1:
@@ -81,6 +83,8 @@ def build_drafter(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"
         return NgramDrafter(cfg)
     if spec.kind is DrafterKind.DFLASH:
         return build_dflash(spec, target, dtype)
+    if spec.kind is DrafterKind.DDTREE:
+        return DDTreeDrafter(build_dflash(spec, target, dtype), budget=spec.tree_budget)
     from byblock.models.loading import load_model
 
     assert spec.model is not None
@@ -109,6 +113,7 @@ def build_dflash(spec: DrafterSpec, target: TargetModel, dtype: str = "float32")
 
 
 __all__ = [
+    "DDTreeDrafter",
     "DFlashDrafter",
     "Drafter",
     "DrafterKind",

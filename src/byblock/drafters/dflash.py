@@ -46,8 +46,15 @@ class DFlashDrafter:
         target: TargetModel,
         block: int | None = None,
         draft_vocab: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
+        """dtype: run the drafter in this dtype (bf16: both weight layouts, bf16 GEMMs for the block rows)."""
         check_compatible(model, target)
+        if dtype is not None and dtype != next(model.parameters()).dtype:
+            from byblock.models.fast_linear import dual_layout_linears
+
+            model = model.to(dtype)
+            dual_layout_linears(model)
         self.model = model.eval()
         self.block = block or model.config.block_size  # B: tokens per drafter forward, anchor included
         if self.block < 2:
@@ -63,7 +70,8 @@ class DFlashDrafter:
         self.draft_vocab = draft_vocab
         if draft_vocab is not None:
             head_t = head_t[:, draft_vocab]  # [H, Vd]: a restricted head is a cheaper drafter forward
-        self.head_t = head_t.contiguous() if draft_vocab is not None else head_t
+        head_dtype = dtype or head_t.dtype
+        self.head_t = head_t.to(head_dtype).contiguous() if draft_vocab is not None or dtype else head_t
         self.softcap = getattr(target.text_config, "final_logit_softcapping", None)
         self.dtype = next(model.parameters()).dtype
         self._cache: list[list[torch.Tensor]] = []

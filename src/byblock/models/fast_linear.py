@@ -32,6 +32,52 @@ class InOutLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class DualLayoutLinear(nn.Module):
+    """Both layouts of one weight; the row count of the input picks the faster kernel.
+
+    Measured here (dev/LOG.md): fp32 is fastest [in, out] for one row but [out, in] (F.linear) for 8+ rows;
+    bf16 is the reverse (F.linear for one row, 3-5x faster [in, out] GEMMs for 8+ rows). A verify forward
+    has k rows, a plain step one: each gets its best kernel for twice the weight memory.
+    """
+
+    def __init__(self, linear: nn.Module, min_rows: int, rows_use_t: bool) -> None:
+        super().__init__()
+        w = linear.weight.detach()  # [out, in]
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.w = nn.Parameter(w.contiguous(), requires_grad=False)
+        self.w_t = nn.Parameter(w.t().contiguous(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.min_rows = min_rows  # inputs with at least this many rows ...
+        self.rows_use_t = rows_use_t  # ... use x @ W_t when True (else F.linear), fewer rows the other kernel
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[out, in], for code that reads `.weight`."""
+        return self.w
+
+    @property
+    def weight_t(self) -> torch.Tensor:
+        """[in, out]."""
+        return self.w_t
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        many = x.numel() >= self.min_rows * self.in_features
+        y = x @ self.w_t if many == self.rows_use_t else torch.nn.functional.linear(x, self.w)
+        return y if self.bias is None else y + self.bias
+
+
+def dual_layout_linears(model: nn.Module, min_rows: int = 4) -> int:
+    """Replace every nn.Linear by a DualLayoutLinear whose kernel choice suits the model's dtype."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                rows_use_t = child.weight.dtype == torch.bfloat16
+                setattr(parent, name, DualLayoutLinear(child, min_rows, rows_use_t))
+                count += 1
+    return count
+
+
 def relayout_linears(model: nn.Module, include_lm_head: bool = True) -> int:
     """Replace every nn.Linear in `model` by an InOutLinear; returns how many were replaced.
 

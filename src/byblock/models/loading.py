@@ -19,7 +19,7 @@ import torch
 
 from byblock.errors import ModelNotFoundError
 from byblock.models.adapter import TargetModel
-from byblock.models.fast_linear import relayout_linears
+from byblock.models.fast_linear import dual_layout_linears, relayout_linears
 from byblock.models.registry import BUILTIN_MODELS, resolve_builtin
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def load_model(
     dtype: str | torch.dtype = torch.float32,
     trust_remote_code: bool = False,
     attn_implementation: str = "sdpa",
-    relayout: bool = True,
+    relayout: bool | str = True,
 ) -> TargetModel:
     """Load a causal LM and its tokenizer as a TargetModel.
 
@@ -128,7 +128,9 @@ def load_model(
         dtype: weights dtype ("float32" or "bfloat16").
         trust_remote_code: allow code shipped with a hub checkpoint to run (off unless asked).
         attn_implementation: transformers attention backend ("sdpa" or "eager").
-        relayout: store linear weights [in, out] for faster CPU GEMV (models/fast_linear.py).
+        relayout: True: store linear weights [in, out] for faster CPU GEMV; "dual": keep both layouts and
+            pick the kernel by row count (fast plain steps and fast verify forwards); False: as loaded.
+            See models/fast_linear.py.
     """
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -160,6 +162,8 @@ def load_model(
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelNotFoundError(f"cannot load model '{name_or_path}': {first}") from e
-    if relayout:
+    if relayout == "dual":
+        dual_layout_linears(model)
+    elif relayout:
         relayout_linears(model)
     return TargetModel(model.eval(), tok, name=name_or_path)

@@ -208,6 +208,18 @@ def _check_manifest(out_dir: Path, cfg: RegenConfig, extra: dict) -> None:
     os.replace(tmp, path)
 
 
+def _add_stats(out_dir: Path, sequences: int, tokens: int, seconds: float) -> None:
+    """Accumulate the data volume and wall time behind the shards (stats.json, replaced atomically)."""
+    path = out_dir / "stats.json"
+    stats = json.loads(path.read_text()) if path.is_file() else {"sequences": 0, "response_tokens": 0, "seconds": 0.0}
+    stats["sequences"] += sequences
+    stats["response_tokens"] += tokens
+    stats["seconds"] = round(stats["seconds"] + seconds, 2)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(stats))
+    os.replace(tmp, path)
+
+
 def regenerate(cfg: RegenConfig, out_dir: str | Path, progress: bool = True) -> dict:
     """Run (or resume) regeneration into `out_dir`; return a summary (shards, sequences, tokens, seconds)."""
     from safetensors.torch import save_file
@@ -245,6 +257,7 @@ def regenerate(cfg: RegenConfig, out_dir: str | Path, progress: bool = True) -> 
     made_tokens, t_start = 0, time.perf_counter()
     bar = tqdm(todo, desc="regenerate", unit="shard", disable=not progress, dynamic_ncols=True)
     for k in bar:
+        t_shard = time.perf_counter()
         gen.manual_seed(cfg.seed * 1_000_003 + k)  # a shard's samples do not depend on what ran before
         batch = [encoded[i] for i in shards[k]]
         seqs = generate_batch(
@@ -264,6 +277,7 @@ def regenerate(cfg: RegenConfig, out_dir: str | Path, progress: bool = True) -> 
         save_file(packed, str(tmp))
         os.replace(tmp, final)
         made_tokens += sum(len(s["topk_ids"]) for s in seqs)
+        _add_stats(out_dir, len(seqs), sum(len(s["topk_ids"]) for s in seqs), time.perf_counter() - t_shard)
         rate = made_tokens / (time.perf_counter() - t_start)
         bar.set_postfix(resp_tok_s=f"{rate:.0f}")
         log.info("shard %d: %d sequences, %d response tokens total, %.1f tok/s", k, len(seqs), made_tokens, rate)
