@@ -147,9 +147,9 @@ def test_training_resumes_exactly_and_exports_a_lossless_drafter(tmp_path, regen
 def test_training_lowers_loss_on_tiny_data(tmp_path, regen_dir, tiny_llama_dir):
     cfg = _cfg(steps=60, seqs_per_step=4, ckpt_every=1000, eval_every=1000)
     trainer = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "t", cfg)
-    before = trainer.loss(trainer.batch_for(0, 0), trainer.model)[0].item()
+    before = trainer.loss(trainer.batch_for(0, 0), trainer.net)[0].item()
     trainer.run(progress=False)
-    after = trainer.loss(trainer.batch_for(0, 0), trainer.model)[0].item()
+    after = trainer.loss(trainer.batch_for(0, 0), trainer.net)[0].item()
     assert after < 0.7 * before
 
 
@@ -174,3 +174,25 @@ def test_cli_pipeline_and_torchrun(tmp_path, regen_dir, tiny_llama_dir):
     assert (out / "export" / "config.json").is_file() and (out / "train" / "state.pt").is_file()
     r = subprocess.run([*cli, *common, "--stage", "export", "--steps", "5"], capture_output=True, text=True)
     assert r.returncode == 2 and "another recipe" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_domino_training_from_a_dflash_checkpoint(tmp_path, regen_dir, tiny_llama_dir):
+    from byblock.drafters.domino import DominoDrafter, load_domino
+
+    base = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "d", _cfg(steps=20, ckpt_every=100))
+    base.run(progress=False)
+    dflash_dir = base.export(tmp_path / "dflash")
+    cfg = _cfg(steps=30, ckpt_every=100, eval_every=100, domino=True, init_from=str(dflash_dir), lambda_decay=0.5)
+    trainer = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "dom", cfg)
+    assert trainer.curriculum() == 1.0
+    batch = trainer.batch_for(0, 0)
+    _, final = trainer.draft_logits(batch, trainer.net)
+    base_logits, _ = trainer.draft_logits(batch, trainer.net)
+    torch.testing.assert_close(final, base_logits.float())  # zero-initialised residual: Domino == DFlash
+    trainer.run(progress=False)
+    assert trainer.curriculum() == 0.0
+    out = trainer.export(tmp_path / "domino")
+    target = load_model(str(tiny_llama_dir))
+    model, vocab = load_dflash(out)
+    drafter = DominoDrafter(DFlashDrafter(model, target, draft_vocab=vocab), load_domino(out, target.hidden_size))
+    greedy_outputs_match(target, [5, 17, 33, 9], SamplingParams(max_new_tokens=30), drafter)

@@ -25,7 +25,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
-    parser.add_argument("--drafter", default="none", help="none | ngram | model:ID | dflash[:PATH]")
+    parser.add_argument(
+        "--drafter",
+        default="none",
+        help="none | ngram | model:ID | dflash[:PATH] | ddtree[:PATH] | domino[:PATH] | dominotree[:PATH]",
+    )
     parser.add_argument(
         "--block-size",
         type=int,

@@ -25,6 +25,8 @@ class DrafterKind(Enum):
     MODEL = "model"
     DFLASH = "dflash"
     DDTREE = "ddtree"
+    DOMINO = "domino"
+    DOMINO_TREE = "dominotree"
 
 
 # Drafters shipped inside the package, per built-in target (drafters/weights/<dir>).
@@ -46,16 +48,18 @@ class DrafterSpec:
 
     @staticmethod
     def parse(text: str, **knobs: int) -> DrafterSpec:
-        """'none' | 'ngram' | 'model:ID' | 'dflash[:PATH]' | 'ddtree[:PATH]' -> DrafterSpec (else a one-line error)."""
+        """'none' | 'ngram' | 'model:ID' | 'dflash|ddtree|domino|dominotree[:PATH]' -> DrafterSpec.
+
+        Anything else is a one-line error."""
         name, _, arg = text.partition(":")
         try:
             kind = DrafterKind(name)
         except ValueError:
-            choices = "none, ngram, model:ID, dflash[:PATH], ddtree[:PATH]"
+            choices = "none, ngram, model:ID, dflash[:PATH], ddtree[:PATH], domino[:PATH], dominotree[:PATH]"
             raise ByblockError(f"unknown drafter '{text}' (choose from {choices})") from None
         if kind is DrafterKind.MODEL and not arg:
             raise ByblockError("drafter 'model' needs a model: --drafter model:ID")
-        if kind not in (DrafterKind.MODEL, DrafterKind.DFLASH, DrafterKind.DDTREE) and arg:
+        if kind in (DrafterKind.NONE, DrafterKind.NGRAM) and arg:
             raise ByblockError(f"drafter '{name}' takes no ':{arg}' argument")
         for knob in ("num_candidates", "tree_budget", "ngram_min", "ngram_max"):
             if knobs.get(knob, 1) < 1:
@@ -85,6 +89,14 @@ def build_drafter(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"
         return build_dflash(spec, target, dtype)
     if spec.kind is DrafterKind.DDTREE:
         return DDTreeDrafter(build_dflash(spec, target, dtype), budget=spec.tree_budget)
+    if spec.kind in (DrafterKind.DOMINO, DrafterKind.DOMINO_TREE):
+        from byblock.drafters.domino import DominoDrafter, load_domino
+
+        backbone = build_dflash(spec, target, dtype)
+        path = Path(spec.model).expanduser() if spec.model else shipped_dflash_dir(target.name)
+        head = load_domino(path, target.hidden_size)
+        budget = spec.tree_budget if spec.kind is DrafterKind.DOMINO_TREE else 0
+        return DominoDrafter(backbone, head, tree_budget=budget)
     from byblock.models.loading import load_model
 
     assert spec.model is not None

@@ -11,6 +11,7 @@ keeps it lossless under sampling too.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 import torch
 
@@ -45,6 +46,46 @@ def build_tree(logp: torch.Tensor, budget: int, top_k: int | None = None) -> tup
         if d + 1 < depth_max and vals_l[d + 1][0] > float("-inf"):  # the first child
             heapq.heappush(heap, (neg - vals_l[d + 1][0], counter, d + 1, 0, node, -neg))
             counter += 1
+    return tokens, parents
+
+
+def build_tree_lazy(
+    expand: Callable[[int, int, int, int], torch.Tensor], depth_max: int, budget: int, top_k: int | None = None
+) -> tuple[list[int], list[int]]:
+    """Best-first tree when a node's children distribution depends on its path (DominoTree).
+
+    expand(node, parent, token, child_index) -> log-probs [V] of the node's children (node −1 is the root,
+    child_index = the children's depth − 1). Called once per expanded node, in pop order, so a stateful
+    expander can build on its parent's state. Same heap discipline as build_tree.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    sorted_children: dict[int, tuple[list[float], list[int]]] = {}
+
+    def children_of(node: int, parent: int, token: int, child_index: int) -> tuple[list[float], list[int]]:
+        logp = expand(node, parent, token, child_index)
+        k = min(budget, logp.shape[-1], top_k or budget)
+        vals, ids = logp.topk(k)
+        sorted_children[node] = (vals.tolist(), ids.tolist())
+        return sorted_children[node]
+
+    vals0, _ = children_of(-1, -1, -1, 0)
+    heap = [(-vals0[0], 0, 0, -1, 0.0, 0)]  # (−score, tie, rank, parent node, parent's score, depth index)
+    counter = 1
+    while heap and len(tokens) < budget:
+        neg, _, r, parent, base, d = heapq.heappop(heap)
+        vals, ids = sorted_children[parent]
+        node = len(tokens)
+        tokens.append(ids[r])
+        parents.append(parent)
+        if r + 1 < len(vals) and vals[r + 1] > float("-inf"):
+            heapq.heappush(heap, (-(base + vals[r + 1]), counter, r + 1, parent, base, d))
+            counter += 1
+        if d + 1 < depth_max and len(tokens) < budget:
+            cv, _ = children_of(node, parent, ids[r], d + 1)
+            if cv[0] > float("-inf"):
+                heapq.heappush(heap, (neg - cv[0], counter, 0, node, -neg, d + 1))
+                counter += 1
     return tokens, parents
 
 

@@ -95,8 +95,9 @@ class DFlashDrafter:
         self._pending_start = 0
         self._params, self._generator = params, generator
 
-    def draft_logits(self, anchor: int, anchor_pos: int, depth: int) -> torch.Tensor:
-        """Run the drafter once; logits [depth, V_draft] for positions anchor_pos+1 .. anchor_pos+depth."""
+    def draft_logits(self, anchor: int, anchor_pos: int, depth: int, return_hidden: bool = False):
+        """Run the drafter once; logits [depth, V_draft] for positions anchor_pos+1 .. anchor_pos+depth
+        (and the draft states [depth, H] they came from, with return_hidden)."""
         assert self._pending is not None
         c = self._pending.shape[0]
         if self._pending_start + c != anchor_pos:
@@ -113,7 +114,7 @@ class DFlashDrafter:
         self._pending_start = anchor_pos
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return (logits, h[0, 1 : 1 + depth]) if return_hidden else logits
 
     def propose(self, tokens: list[int], max_depth: int) -> Draft:
         """A chain of up to B−1 tokens after tokens[-1] (q set when sampling)."""

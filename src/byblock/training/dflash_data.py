@@ -83,6 +83,7 @@ class Batch:
     """b sequences × A blocks of B tokens (T = A·B), context padded to C."""
 
     block_ids: torch.Tensor  # [b, T] target ids ([anchor, MASK...] per block)
+    block_tokens: torch.Tensor  # [b, T] the true target ids at the block positions (0 past the end)
     block_pos: torch.Tensor  # [b, T]
     ctx_hidden: torch.Tensor  # [b, C, k*H]
     ctx_pos: torch.Tensor  # [b, C]
@@ -119,6 +120,7 @@ def make_batch(
     feat = seqs[0].hidden.shape[1]
     out = {
         "block_ids": torch.full((b, t), mask_token_id, dtype=torch.long),
+        "block_tokens": torch.zeros(b, t, dtype=torch.long),
         "block_pos": torch.zeros(b, t, dtype=torch.long),
         "ctx_hidden": torch.zeros(b, c, feat, dtype=seqs[0].hidden.dtype),
         "ctx_pos": torch.arange(c).expand(b, c).clone(),
@@ -143,6 +145,7 @@ def make_batch(
             valid = pos < big_l
             out["block_ids"][i, j * block] = seq.tokens[a]
             out["block_pos"][i, rows] = pos
+            out["block_tokens"][i, j * block : j * block + int(valid.sum())] = seq.tokens[pos[valid]]
             q[:, :a] = True  # features strictly before the anchor
             lab = torch.full((block,), IGNORE, dtype=torch.long)
             lab[valid] = to_draft[seq.tokens[pos[valid]]]

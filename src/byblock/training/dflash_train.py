@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from byblock.drafters.dflash_model import DFlashConfig, DFlashDraftModel, init_from_target
+from byblock.drafters.domino import DominoConfig, DominoHead, save_domino
 from byblock.errors import ByblockError
 from byblock.training.dflash_data import (
     IGNORE,
@@ -60,6 +61,11 @@ class TrainConfig:
     grad_clip: float = 1.0
     distill: float = 0.5  # weight of the top-k distillation term (0: hard labels only, as in the paper)
     init_from_target: bool = True
+    domino: bool = False  # train a Domino correction head (with the backbone) instead of plain DFlash
+    gru_hidden_dim: int = 256
+    emb_dim: int = 128  # rank of Domino's logit residual
+    lambda_decay: float = 0.5  # base-anchored curriculum: λ goes 1 -> 0 over this fraction of the steps
+    init_from: str = ""  # a DFlash checkpoint dir to start the backbone from (its vocabulary and mask id too)
     bf16: bool = True  # autocast matmuls to bf16 (2.7x faster GEMMs on this AVX512-BF16 CPU); weights stay fp32
     val_shards: int = 1  # the last shards are held out for τ
     val_blocks: int = 256
@@ -90,6 +96,28 @@ def pick_mask_token(tokenizer, seqs: list[Sequence], eos: frozenset[int], vocab_
         if t not in seen and t not in eos and t < vocab_size:
             return int(t)
     return vocab_size - 1
+
+
+class _Net(torch.nn.Module):
+    """Backbone + optional Domino head as one module (what DDP wraps and what state.pt holds)."""
+
+    def __init__(self, backbone: DFlashDraftModel, head: DominoHead | None) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+        self.block = backbone.config.block_size
+
+    def forward(self, emb, ctx, block_pos, ctx_pos, mask, prefix_embeds=None):
+        """Draft states [b, T, H] and Domino's teacher-forced residuals [b, T, Vd] (None without a head)."""
+        h = self.backbone(emb, ctx, block_pos, ctx_pos, mask)
+        if self.head is None:
+            return h, None
+        b, t, hid = h.shape
+        hb = h.view(-1, self.block, hid)[:, 1:]  # [blocks, B-1, H]: positions 1..B-1
+        pe = prefix_embeds.view(-1, self.block, hid)[:, :-1].to(h.dtype)  # [blocks, B-1, H]: tokens at 0..B-2
+        res = self.head(hb, pe)  # [blocks, B-1, Vd]
+        zero = torch.zeros(res.shape[0], 1, res.shape[2], dtype=res.dtype)
+        return h, torch.cat([zero, res], dim=1).view(b, t, -1)  # aligned with the block rows
 
 
 class DFlashTrainer:
@@ -123,6 +151,13 @@ class DFlashTrainer:
                 raise ByblockError(f"{self.out_dir} holds a run with another recipe or data; use a new --out")
             vocab, mask_id = resumed["draft_vocab"], resumed["mask_token_id"]
             self.coverage = resumed["coverage"]
+        elif cfg.init_from:
+            from byblock.drafters.dflash_format import load_dflash
+
+            start_model, start_vocab = load_dflash(cfg.init_from)
+            vocab = start_vocab if start_vocab is not None else torch.arange(target.vocab_size)
+            mask_id = start_model.config.mask_token_id
+            self.coverage = start_model.config.extra.get("draft_vocab_coverage", 1.0)
         else:
             if cfg.draft_vocab_size:
                 vocab, self.coverage = build_draft_vocab(self.train, cfg.draft_vocab_size, set(target.eos_token_ids))
@@ -153,12 +188,19 @@ class DFlashTrainer:
         )
         torch.manual_seed(cfg.seed)
         self.model = DFlashDraftModel(self.model_cfg)
-        if cfg.init_from_target and resumed is None:
+        if cfg.init_from and resumed is None:
+            self.model.load_state_dict(start_model.state_dict())
+        elif cfg.init_from_target and resumed is None:
             init_from_target(self.model, target.hf)
         del target
+        self.head: DominoHead | None = None
+        if cfg.domino:
+            dcfg = DominoConfig(self.model_cfg.hidden_size, len(vocab), cfg.gru_hidden_dim, cfg.emb_dim)
+            self.head = DominoHead(dcfg)
+        self.net = _Net(self.model, self.head)
         self.weights = decay_weights(cfg.block_size, cfg.gamma or default_gamma(cfg.block_size))
         decay, no_decay = [], []
-        for p in self.model.parameters():
+        for p in self.net.parameters():
             (no_decay if p.ndim < 2 else decay).append(p)
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
@@ -168,7 +210,7 @@ class DFlashTrainer:
         self.step = 0
         self.train_seconds = 0.0  # wall time spent in run(), summed over resumes
         if resumed is not None:
-            self.model.load_state_dict(resumed["model"])
+            self.net.load_state_dict(resumed["model"])
             self.opt.load_state_dict(resumed["optimizer"])
             self.step = resumed["step"]
             self.train_seconds = resumed.get("train_seconds", 0.0)
@@ -176,7 +218,7 @@ class DFlashTrainer:
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.ddp = DistributedDataParallel(self.model)
+            self.ddp = DistributedDataParallel(self.net)
 
     # ---- one step -----------------------------------------------------------------------------------------
 
@@ -188,32 +230,54 @@ class DFlashTrainer:
         anchors = [sample_anchors(s, self.cfg.anchors_per_seq, g) for s in seqs]
         return make_batch(seqs, anchors, self.cfg.block_size, self.model_cfg.mask_token_id, self.to_draft, self.weights)
 
-    def loss(self, batch: Batch, model: torch.nn.Module) -> tuple[torch.Tensor, dict]:
-        """Weighted CE (+ distillation) over labelled block positions; also returns accuracy stats."""
-        emb = F.embedding(batch.block_ids, self.embed)  # [b, T, H]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
-            h = model(emb, batch.ctx_hidden.float(), batch.block_pos, batch.ctx_pos, batch.mask)  # [b, T, H]
-            sel = batch.weights > 0  # [b, T]
-            logits = h[sel] @ self.head_t  # [N, Vd]
+    def _position_loss(self, logits: torch.Tensor, batch: Batch, sel: torch.Tensor) -> torch.Tensor:
+        """Per-position loss [N] for draft logits [N, Vd] at the labelled positions `sel`."""
         logp = torch.log_softmax(logits.float(), dim=-1)
-        w = batch.weights[sel]  # [N]
         labels = batch.labels[sel]
-        hard = -logp.gather(1, labels[:, None])[:, 0]  # [N]
-        per_pos = hard
-        if self.cfg.distill > 0:
-            sid = batch.soft_ids[sel]  # [N, k]
-            ok = sid != IGNORE
-            pt = torch.softmax(batch.soft_logp[sel].masked_fill(~ok, float("-inf")), dim=-1)  # renormalised top-k
-            soft = -(pt * logp.gather(1, sid.clamp(min=0)).masked_fill(~ok, 0.0)).sum(-1)
-            per_pos = (1 - self.cfg.distill) * hard + self.cfg.distill * soft
-        loss = (w * per_pos).sum() / w.sum()
-        acc = (logp.argmax(-1) == labels).float().mean().item()
+        hard = -logp.gather(1, labels[:, None])[:, 0]
+        if self.cfg.distill <= 0:
+            return hard
+        sid = batch.soft_ids[sel]  # [N, k]
+        ok = sid != IGNORE
+        pt = torch.softmax(batch.soft_logp[sel].masked_fill(~ok, float("-inf")), dim=-1)  # renormalised top-k
+        soft = -(pt * logp.gather(1, sid.clamp(min=0)).masked_fill(~ok, 0.0)).sum(-1)
+        return (1 - self.cfg.distill) * hard + self.cfg.distill * soft
+
+    def curriculum(self) -> float:
+        """Domino's λ: weight of the base-logit loss, linearly 1 -> 0 over lambda_decay of the run."""
+        span = max(1.0, self.cfg.lambda_decay * self.cfg.steps)
+        return max(0.0, 1.0 - self.step / span)
+
+    def draft_logits(self, batch: Batch, net: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Base logits [b, T, Vd] and, with a Domino head, teacher-forced corrected ones (else None)."""
+        emb = F.embedding(batch.block_ids, self.embed)  # [b, T, H]
+        prefix = F.embedding(batch.block_tokens, self.embed) if self.head is not None else None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            h, res = net(emb, batch.ctx_hidden.float(), batch.block_pos, batch.ctx_pos, batch.mask, prefix)
+            base = h @ self.head_t  # [b, T, Vd]
+        final = None if res is None else base.float() + res.float()
+        return base, final
+
+    def loss(self, batch: Batch, net: torch.nn.Module) -> tuple[torch.Tensor, dict]:
+        """Weighted CE (+ distillation) over labelled block positions; Domino adds the curriculum mix."""
+        base, final = self.draft_logits(batch, net)
+        sel = batch.weights > 0  # [b, T]
+        w = batch.weights[sel]
+        labels = batch.labels[sel]
+        loss = (w * self._position_loss(base[sel], batch, sel)).sum() / w.sum()
+        scored = base[sel]
+        if final is not None:
+            lam = self.curriculum()
+            final_loss = (w * self._position_loss(final[sel], batch, sel)).sum() / w.sum()
+            loss = lam * loss + (1 - lam) * final_loss
+            scored = final[sel]
+        acc = (scored.argmax(-1) == labels).float().mean().item()
         return loss, {"acc": acc, "positions": int(sel.sum())}
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Offline τ and per-position acceptance on held-out blocks (greedy, teacher-forced context)."""
-        self.model.eval()
+        self.net.eval()
         g = torch.Generator().manual_seed(12345)
         block = self.cfg.block_size
         accepted_total, blocks = 0, 0
@@ -223,10 +287,10 @@ class DFlashTrainer:
             chosen = [seqs[int(torch.randint(len(seqs), (1,), generator=g))] for _ in range(8)]
             anchors = [sample_anchors(s, 4, g) for s in chosen]
             batch = make_batch(chosen, anchors, block, self.model_cfg.mask_token_id, self.to_draft, self.weights)
-            emb = F.embedding(batch.block_ids, self.embed)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
-                h = self.model(emb, batch.ctx_hidden.float(), batch.block_pos, batch.ctx_pos, batch.mask)
-                pred = (h @ self.head_t).argmax(-1)  # [b, T] draft ids
+            base, final = self.draft_logits(batch, self.net)
+            # Teacher forcing is exact here: acceptance stops at the first miss, so every position that
+            # counts saw a prefix equal to the true tokens, as the Domino GRU does at inference.
+            pred = (base if final is None else final).argmax(-1)  # [b, T] draft ids
             hit = (pred == batch.labels) & (batch.labels != IGNORE)  # [b, T]
             # A block only counts positions with a real next token; acceptance stops at the first miss.
             hit = hit.view(-1, block)[:, 1:]  # [blocks, B-1]
@@ -235,7 +299,7 @@ class DFlashTrainer:
             accepted_total += int(run.sum())
             per_pos += run.float().sum(0)
             blocks += int(has_label.sum())
-        self.model.train()
+        self.net.train()
         n = max(1, blocks)
         return {"tau": 1 + accepted_total / n, "per_position": (per_pos / n).tolist(), "blocks": blocks}
 
@@ -252,7 +316,7 @@ class DFlashTrainer:
             "draft_vocab": self.vocab,
             "mask_token_id": self.model_cfg.mask_token_id,
             "coverage": self.coverage,
-            "model": self.model.state_dict(),
+            "model": self.net.state_dict(),
             "optimizer": self.opt.state_dict(),
             "step": self.step,
             "train_seconds": self.train_seconds,
@@ -265,7 +329,7 @@ class DFlashTrainer:
         """Write the current weights as a DFlash checkpoint (bf16 + byblock's draft vocabulary)."""
         from byblock.drafters.dflash_format import save_dflash
 
-        vocab = self.vocab if self.cfg.draft_vocab_size else None
+        vocab = self.vocab if self.cfg.draft_vocab_size or self.cfg.init_from else None
         tokens = sum(len(s.tokens) - s.prompt_len for s in self.train)
         self.model_cfg.extra.update(
             steps=self.step,
@@ -274,15 +338,18 @@ class DFlashTrainer:
             train_hours=round(self.train_seconds / 3600, 3),
             world_size=self.world,
         )
-        return save_dflash(self.model, out or self.out_dir / "export", torch.bfloat16, draft_vocab=vocab)
+        path = save_dflash(self.model, out or self.out_dir / "export", torch.bfloat16, draft_vocab=vocab)
+        if self.head is not None:
+            save_domino(self.head, path)
+        return path
 
     def run(self, progress: bool = True, stop_after: int | None = None) -> dict:
         """Train to cfg.steps (or `stop_after` more steps); returns the last evaluation."""
         from tqdm import tqdm
 
         cfg = self.cfg
-        model = self.ddp or self.model
-        self.model.train()
+        model = self.ddp or self.net
+        self.net.train()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         logf = (self.out_dir / "train.log").open("a") if self.rank == 0 else None
         if self.rank == 0:
@@ -309,7 +376,7 @@ class DFlashTrainer:
             loss, info = self.loss(batch, model)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            gnorm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), cfg.grad_clip)
             self.opt.step()
             self.step += 1
             self.train_seconds += time.perf_counter() - t_step
