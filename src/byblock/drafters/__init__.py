@@ -27,6 +27,7 @@ class DrafterKind(Enum):
     DDTREE = "ddtree"
     DOMINO = "domino"
     DOMINO_TREE = "dominotree"
+    HYBRID = "hybrid"
 
 
 # Drafters shipped inside the package, per built-in target (drafters/weights/<dir>).
@@ -45,17 +46,18 @@ class DrafterSpec:
     tree_budget: int = 32
     ngram_min: int = 1
     ngram_max: int = 3
+    adaptive: bool = False  # dflash/ddtree: pick depth/budget per round from measured costs (drafters/adaptive.py)
 
     @staticmethod
-    def parse(text: str, **knobs: int) -> DrafterSpec:
-        """'none' | 'ngram' | 'model:ID' | 'dflash|ddtree|domino|dominotree[:PATH]' -> DrafterSpec.
+    def parse(text: str, **knobs: int | bool | None) -> DrafterSpec:
+        """'none' | 'ngram' | 'model:ID' | 'dflash|ddtree|domino|dominotree|hybrid[:PATH]' -> DrafterSpec.
 
         Anything else is a one-line error."""
         name, _, arg = text.partition(":")
         try:
             kind = DrafterKind(name)
         except ValueError:
-            choices = "none, ngram, model:ID, dflash[:PATH], ddtree[:PATH], domino[:PATH], dominotree[:PATH]"
+            choices = "none, ngram, model:ID, dflash|ddtree|domino|dominotree|hybrid[:PATH]"
             raise ByblockError(f"unknown drafter '{text}' (choose from {choices})") from None
         if kind is DrafterKind.MODEL and not arg:
             raise ByblockError("drafter 'model' needs a model: --drafter model:ID")
@@ -66,6 +68,8 @@ class DrafterSpec:
                 raise ByblockError(f"--{knob.replace('_', '-')} must be >= 1")
         if knobs.get("block_size") is not None and knobs["block_size"] < 2:
             raise ByblockError("--block-size must be >= 2 (the anchor plus at least one drafted token)")
+        if knobs.get("adaptive") and kind not in (DrafterKind.DFLASH, DrafterKind.DDTREE):
+            raise ByblockError("--adaptive works with --drafter dflash or ddtree")
         if knobs.get("ngram_min", 1) > knobs.get("ngram_max", 3):
             raise ByblockError("--ngram-min must not exceed --ngram-max")
         return DrafterSpec(kind=kind, model=arg or None, **knobs)
@@ -85,10 +89,21 @@ def build_drafter(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"
             tree_budget=spec.tree_budget,
         )
         return NgramDrafter(cfg)
+    if spec.adaptive:
+        from byblock.drafters.adaptive import AdaptiveDrafter
+
+        tree = spec.kind is DrafterKind.DDTREE
+        return AdaptiveDrafter(build_dflash(spec, target, dtype), target, tree=tree, max_budget=spec.tree_budget)
     if spec.kind is DrafterKind.DFLASH:
         return build_dflash(spec, target, dtype)
     if spec.kind is DrafterKind.DDTREE:
         return DDTreeDrafter(build_dflash(spec, target, dtype), budget=spec.tree_budget)
+    if spec.kind is DrafterKind.HYBRID:
+        from byblock.drafters.hybrid import HybridDrafter
+
+        ddtree = DDTreeDrafter(build_dflash(spec, target, dtype), budget=spec.tree_budget)
+        lookup = NgramDrafter(NgramConfig(block_size=ddtree.block_size, min_n=spec.ngram_min, max_n=spec.ngram_max))
+        return HybridDrafter(lookup, ddtree, budget=spec.tree_budget)
     if spec.kind in (DrafterKind.DOMINO, DrafterKind.DOMINO_TREE):
         from byblock.drafters.domino import DominoDrafter, load_domino
 

@@ -1,0 +1,183 @@
+"""Adaptive block budget: each round, draft the size that maximises expected tokens per second.
+
+The rule (measured costs, running acceptance):
+
+    cost(k)   = seconds of one target forward over k new tokens, measured once at start-up on this machine
+                (median of a few runs after a 128-token context), linearly interpolated between sizes
+    draft     = running mean of the drafter's own time per round
+    chain:    E(d) = 1 + Σ_{i=1..d} Π_{j=1..i} α_j     α_j = running acceptance at depth j given depth j−1
+                                                        accepted (Beta(1,1)-smoothed counts)
+    tree:     E(N) = 1 + ρ · Σ_{first N nodes} Π p̂     Π p̂ = the drafter's own path probability; ρ = running
+                                                        ratio of accepted to predicted (calibration)
+    choose    argmax_d E(d) / (draft + cost(d+1))   (chain)   or   argmax_N E(N) / (draft + cost(N+1))   (tree)
+
+Every 8th chain round verifies the whole block, so acceptance at depths the rule stopped using stays measured.
+
+A best-first tree's first N nodes are themselves a valid tree (parents are popped before children), so one
+DDTree build serves every candidate N. The choice never affects correctness: verification is unchanged.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from byblock.drafters.ddtree import build_tree
+from byblock.drafters.dflash import DFlashDrafter
+from byblock.models.adapter import TargetModel
+from byblock.sampling.params import SamplingParams
+from byblock.verify.types import Draft, Verdict
+
+COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+EXPLORE_EVERY = 8
+
+
+def measure_verify_cost(target: TargetModel, sizes=COST_SIZES, context: int = 128, repeats: int = 3) -> dict:
+    """Median seconds of one target forward over k new tokens after `context` cached ones, per k."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, max(11, target.vocab_size - 1), (1, context + max(sizes)), generator=g)
+    cache = target.new_cache()
+    target.forward(ids[:, :context], cache, logits_to_keep=1)
+    out = {}
+    for k in sizes:
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            target.forward(ids[:, context : context + k], cache)
+            times.append(time.perf_counter() - t)
+            cache.crop(context)
+        out[k] = statistics.median(times[1:])  # the first run warms the kernels for this shape
+    return out
+
+
+class CostModel:
+    """Piecewise-linear cost(k) from measured points."""
+
+    def __init__(self, points: dict[int, float]) -> None:
+        self.ks = sorted(points)
+        self.ts = [points[k] for k in self.ks]
+
+    def __call__(self, k: int) -> float:
+        ks, ts = self.ks, self.ts
+        if k <= ks[0]:
+            return ts[0]
+        for (k0, t0), (k1, t1) in zip(zip(ks, ts, strict=True), zip(ks[1:], ts[1:], strict=True), strict=False):
+            if k <= k1:
+                return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+        return ts[-1] * k / ks[-1]  # past the last point: proportional
+
+
+class AdaptiveDrafter:
+    """Wraps a DFlash drafter; picks the chain depth (or, with tree=True, the DDTree budget) per round."""
+
+    name = "adaptive"
+
+    def __init__(
+        self,
+        dflash: DFlashDrafter,
+        target: TargetModel,
+        tree: bool = False,
+        max_budget: int = 64,
+        cost: CostModel | None = None,
+    ) -> None:
+        self.dflash = dflash
+        self.tree = tree
+        self.max_budget = max_budget
+        self.block_size = dflash.block_size
+        self.hidden_layers = dflash.hidden_layers
+        self.cost = cost or CostModel(measure_verify_cost(target, [k for k in COST_SIZES if k <= max_budget + 1]))
+        self.accepted_at = torch.ones(self.block_size)  # Beta(1,1) prior: 1 success ...
+        self.reached = 2 * torch.ones(self.block_size)  # ... out of 2 trials per depth
+        self.draft_s = 0.0
+        self.rounds = 0
+        self.rho_num, self.rho_den = 1.0, 1.0  # tree calibration: accepted vs predicted
+        self._params = SamplingParams()
+        self.last_choice = 0
+        self._predicted = 0.0
+        self._depth = 0
+
+    def start(self, prompt_ids, target_hidden, params: SamplingParams, generator) -> None:
+        """Reset per-request drafter state; acceptance statistics carry over (same model, same machine)."""
+        self._params = params
+        self.dflash.start(prompt_ids, target_hidden, params, generator)
+
+    def expected_chain(self) -> torch.Tensor:
+        """E(d) for d = 0..B−1: expected tokens emitted by a round with a depth-d chain."""
+        alpha = self.accepted_at / self.reached  # [B−1]
+        return torch.cat([torch.ones(1), 1 + alpha.cumprod(0).cumsum(0)])
+
+    def propose(self, tokens: list[int], max_depth: int) -> Draft:
+        """Draft the full block once, then keep the most profitable prefix (chain) or node count (tree)."""
+        t0 = time.perf_counter()
+        depth = min(self.block_size, max_depth)
+        logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
+        draft_s = self.draft_s / self.rounds if self.rounds else 0.0
+        vocab = self.dflash.draft_vocab
+        if not self.tree:
+            e = self.expected_chain()[: depth + 1]
+            rate = [float(e[d]) / (draft_s + self.cost(d + 1)) for d in range(depth + 1)]
+            d_best = max(range(depth + 1), key=rate.__getitem__)
+            if self.rounds % EXPLORE_EVERY == 0:
+                d_best = depth  # now and then verify the whole block, or deep positions are never measured
+            self.last_choice, self._depth = d_best, d_best
+            picked = logits[:d_best].argmax(-1) if self._params.greedy else None
+            if picked is None:  # sampling: the DFlash chain with its q, cut to the chosen depth
+                from byblock.sampling.processors import process_logits, sample
+
+                q_small = process_logits(logits[:d_best], self._params)
+                picked = sample(q_small, self.dflash._generator)
+                ids = picked if vocab is None else vocab[picked]
+                q = q_small
+                if vocab is not None:
+                    q = torch.zeros(d_best, self.dflash.vocab_size)
+                    q[:, vocab] = q_small
+                draft = Draft.chain(ids, q=q)
+            else:
+                draft = Draft.chain(picked if vocab is None else vocab[picked])
+        else:
+            if self._params.greedy:
+                logp = torch.log_softmax(logits.float(), -1)
+            else:
+                from byblock.sampling.processors import process_logits
+
+                logp = process_logits(logits, self._params).clamp_min(1e-30).log()
+            ids, parents = build_tree(logp, self.max_budget)
+            path_p = self._path_probs(logp, ids, parents)  # [N] in pop order
+            rho = self.rho_num / self.rho_den
+            expected = 1 + rho * path_p.cumsum(0)  # E(N) for N = 1..max
+            rate = [float(expected[n - 1]) / (draft_s + self.cost(n + 1)) for n in range(1, len(ids) + 1)]
+            n_best = 1 + max(range(len(rate)), key=rate.__getitem__) if rate else 0
+            self.last_choice = n_best
+            self._predicted = float(path_p[:n_best].sum())
+            toks = torch.tensor(ids[:n_best], dtype=torch.long)
+            draft = Draft(
+                tokens=toks if vocab is None else vocab[toks], parents=torch.tensor(parents[:n_best], dtype=torch.long)
+            )
+        self.draft_s += time.perf_counter() - t0
+        self.rounds += 1
+        return draft
+
+    @staticmethod
+    def _path_probs(logp: torch.Tensor, ids: list[int], parents: list[int]) -> torch.Tensor:
+        """Π p̂ along each node's path (depth = parent's depth + 1)."""
+        depth: list[int] = []
+        score: list[float] = []
+        for tok, par in zip(ids, parents, strict=True):
+            d = 0 if par < 0 else depth[par] + 1
+            depth.append(d)
+            score.append((0.0 if par < 0 else score[par]) + float(logp[d, tok]))
+        return torch.tensor(score).exp()
+
+    def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
+        """Update acceptance statistics, then the backbone's context."""
+        a = verdict.num_accepted
+        if self.tree:
+            self.rho_num += a
+            self.rho_den += self._predicted
+        else:
+            reached = min(a + 1, self._depth)  # depths 1..a accepted; depth a+1 tried and rejected (if drafted)
+            self.reached[:reached] += 1
+            self.accepted_at[:a] += 1
+        self.dflash.observe(verdict, target_hidden)

@@ -1,0 +1,74 @@
+"""Adaptive budgets: the cost model and the choice rule; lossless whatever it picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lossless import greedy_outputs_match
+from tiny import make_dflash
+
+from byblock import SamplingParams
+from byblock.drafters import DrafterSpec
+from byblock.drafters.adaptive import AdaptiveDrafter, CostModel, measure_verify_cost
+from byblock.drafters.dflash import DFlashDrafter
+from byblock.errors import ByblockError
+from byblock.verify.types import Verdict
+
+
+def test_cost_model_interpolates():
+    c = CostModel({1: 1.0, 4: 2.5, 16: 4.0})
+    assert c(1) == 1.0 and c(2) == pytest.approx(1.5) and c(10) == pytest.approx(3.25) and c(32) == 8.0
+
+
+def test_measured_costs_are_positive(tiny_targets):
+    costs = measure_verify_cost(tiny_targets["llama"], sizes=(1, 4), context=16, repeats=1)
+    assert set(costs) == {1, 4} and all(v > 0 for v in costs.values())
+
+
+def _adaptive(target, cost, tree=False):
+    return AdaptiveDrafter(DFlashDrafter(make_dflash(target, block=8), target), target, tree=tree, cost=cost)
+
+
+def test_chain_depth_follows_acceptance_and_cost(tiny_targets):
+    target = tiny_targets["llama"]
+    flat = CostModel({1: 1.0, 64: 1.0})  # verification is free: draft as deep as possible
+    steep = CostModel({1: 1.0, 2: 2.0, 64: 64.0})  # every token costs a full step: never draft
+    for cost, want in ((flat, 7), (steep, 0)):
+        d = _adaptive(target, cost)
+        d.rounds = 1  # skip the exploration round
+        d.start(
+            [5, 17, 33, 9],
+            target.forward(torch.tensor([[5, 17, 33, 9]]), target.new_cache(), hidden_layers=d.hidden_layers).hidden,
+            SamplingParams(),
+            None,
+        )
+        d.propose([5, 17, 33, 9, 40], 7)
+        assert d.last_choice == want
+
+
+def test_acceptance_statistics_update():
+    d = AdaptiveDrafter.__new__(AdaptiveDrafter)
+    d.block_size, d.tree = 4, False
+    d.accepted_at, d.reached = torch.ones(4), 2 * torch.ones(4)
+    d._depth = 4
+    d.dflash = type("D", (), {"observe": lambda self, v, h: None})()
+    d.observe(Verdict(path=[0, 1], tokens=[3, 4, 5]), None)  # accepted 2 of 4
+    assert d.accepted_at.tolist() == [2, 2, 1, 1] and d.reached.tolist() == [3, 3, 3, 2]
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_adaptive_is_lossless(tiny_target, tree):
+    drafter = AdaptiveDrafter(
+        DFlashDrafter(make_dflash(tiny_target, block=6), tiny_target),
+        tiny_target,
+        tree=tree,
+        max_budget=12,
+        cost=CostModel({1: 1.0, 4: 1.2, 16: 2.0}),
+    )
+    for prompt in ([5, 17, 33, 9], [7, 7, 7, 7, 7, 7, 12, 40]):
+        greedy_outputs_match(tiny_target, prompt, SamplingParams(max_new_tokens=40), drafter)
+
+
+def test_adaptive_flag_needs_a_block_drafter():
+    with pytest.raises(ByblockError, match="--adaptive"):
+        DrafterSpec.parse("ngram", adaptive=True)
