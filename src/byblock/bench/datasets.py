@@ -14,15 +14,42 @@ DEFAULT_DEV_PATH = Path(__file__).resolve().parents[3].parent / "shared" / "data
 
 @dataclass(frozen=True)
 class Prompt:
-    """One benchmark prompt. chat=False sends it as a raw completion (HumanEval)."""
+    """One benchmark prompt. chat=False sends it as a raw completion (HumanEval).
+
+    `turns` (chat only): a multi-turn conversation; `text` is its first user turn. Each later turn is sent
+    after the model's own answer to the previous ones.
+    """
 
     id: str
     text: str
     chat: bool = True
+    turns: tuple[str, ...] = ()
+
+    @property
+    def user_turns(self) -> tuple[str, ...]:
+        """Every user turn, in order (one for single-turn prompts)."""
+        return self.turns or (self.text,)
+
+
+def _parse_row(row: object, where: str, lineno: int) -> Prompt:
+    if not isinstance(row, dict):
+        raise ByblockError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    pid = str(row.get("id", f"line{lineno}"))
+    if "turns" in row:
+        turns = row["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise ByblockError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
+        return Prompt(id=pid, text=turns[0], turns=tuple(turns))
+    if not isinstance(row.get("prompt"), str) or not row["prompt"]:
+        raise ByblockError(f"{where}: expected a non-empty string 'prompt' (or a 'turns' list)")
+    return Prompt(id=pid, text=row["prompt"], chat=bool(row.get("chat", True)))
 
 
 def load_jsonl(path: str | Path, limit: int | None = None) -> list[Prompt]:
-    """Prompts from a JSONL file with a `prompt` field; a malformed line is a one-line error naming it."""
+    """Prompts from a JSONL file: `prompt` (one turn) or `turns` (a conversation) per line.
+
+    A malformed line is a one-line error naming the file, the line and what is wrong.
+    """
     path = Path(path)
     if not path.is_file():
         raise ByblockError(f"dataset file not found: {path}")
@@ -35,9 +62,7 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[Prompt]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ByblockError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-                raise ByblockError(f"{path}:{lineno}: expected an object with a non-empty string 'prompt'")
-            out.append(Prompt(id=str(row.get("id", f"line{lineno}")), text=row["prompt"]))
+            out.append(_parse_row(row, f"{path}:{lineno}", lineno))
             if limit is not None and len(out) >= limit:
                 break
     if not out:

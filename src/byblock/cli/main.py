@@ -11,6 +11,7 @@ from byblock import __version__
 SUBCOMMANDS = {
     "generate": "Generate text from a prompt (plain or block-speculative decoding).",
     "models": "List the built-in models and whether they are installed.",
+    "bench": "Benchmark decoding methods side by side (speed, τ, lossless check, reports).",
     "train": "Train a drafter for a target: regenerate data, train, export (resumable).",
 }
 

@@ -70,6 +70,15 @@ class TargetModel:
             return [int(t) for t in ids]
         return [int(t) for t in self.tokenizer(prompt, add_special_tokens=True)["input_ids"]]
 
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation (role/content dicts) in the chat template, ready for the next answer."""
+        if not self.has_chat_template:
+            text = "".join(m["content"] + "\n" for m in messages)
+            return [int(t) for t in self.tokenizer(text, add_special_tokens=True)["input_ids"]]
+        enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc
+        return [int(t) for t in ids]
+
     def new_cache(self) -> KVCache:
         """An empty KV cache for one sequence batch."""
         return KVCache()

@@ -1,0 +1,144 @@
+"""What `byblock bench` can run: byblock's decoders and external baselines, behind one call signature.
+
+Method names:  ar | hf | hf-lookup | ngram | model:ID | dflash[:PATH] | ddtree[:PATH] | domino[:PATH]
+               | dominotree[:PATH] | hybrid[:PATH] | adaptive[:PATH]      optionally suffixed @K:
+               K = block size for chains, node budget for trees (ddtree, dominotree, hybrid, adaptive).
+Parsed once into a MethodSpec; the per-prompt loop only calls `MethodRunner.run`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from byblock.drafters import DrafterKind, DrafterSpec, build_drafter
+from byblock.engine.api import generate
+from byblock.engine.types import SpecStats
+from byblock.errors import ByblockError
+from byblock.models.adapter import TargetModel
+from byblock.sampling.params import SamplingParams
+
+TREE_KINDS = (DrafterKind.DDTREE, DrafterKind.DOMINO_TREE, DrafterKind.HYBRID)
+HF_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens for hf-lookup
+
+
+class Engine(Enum):
+    """Who decodes."""
+
+    BYBLOCK = "byblock"
+    HF = "hf"  # transformers generate on the untouched model
+    HF_LOOKUP = "hf-lookup"  # transformers generate with prompt-lookup assisted decoding
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One parsed method."""
+
+    name: str  # as the user wrote it (the report's row label)
+    engine: Engine
+    drafter: DrafterSpec | None = None  # byblock only; None = plain autoregressive ("ar")
+    size: int | None = None  # the @K suffix
+
+    @property
+    def base(self) -> str:
+        """The name without @K (groups block-size sweeps)."""
+        return self.name.split("@", 1)[0]
+
+    @staticmethod
+    def parse(text: str) -> MethodSpec:
+        """Parse a method name (a one-line error for an unknown one)."""
+        body, _, size_txt = text.partition("@")
+        size = None
+        if size_txt:
+            if not size_txt.isdigit() or int(size_txt) < 2:
+                raise ByblockError(f"method '{text}': @K needs an integer K >= 2")
+            size = int(size_txt)
+        if body == "ar":
+            return MethodSpec(text, Engine.BYBLOCK)
+        if body in ("hf", "hf-lookup"):
+            if size:
+                raise ByblockError(f"method '{text}' takes no @K")
+            return MethodSpec(text, Engine(body))
+        adaptive = body.startswith("adaptive")
+        drafter_text = body.replace("adaptive", "dflash", 1) if adaptive else body
+        knobs: dict = {"adaptive": adaptive}
+        try:
+            kind = DrafterKind(drafter_text.partition(":")[0])
+        except ValueError:
+            known = "ar, hf, hf-lookup, ngram, model:ID, dflash, ddtree, domino, dominotree, hybrid, adaptive"
+            raise ByblockError(f"unknown method '{text}' (choose from {known})") from None
+        if size is not None:
+            knobs["tree_budget" if kind in TREE_KINDS or adaptive else "block_size"] = size
+        return MethodSpec(text, Engine.BYBLOCK, DrafterSpec.parse(drafter_text, **knobs), size)
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """One generated answer."""
+
+    token_ids: list[int]
+    ttft_s: float
+    total_s: float
+    stats: SpecStats | None  # byblock methods only
+
+
+class _FirstTokenClock:
+    """A transformers streamer that only notes when the first new token arrives."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True  # generate() first passes the prompt
+            return
+        if self.first is None:
+            self.first = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass
+
+
+class MethodRunner:
+    """A method bound to its model(s) and drafter, built once before the timed loop."""
+
+    def __init__(self, spec: MethodSpec, target: TargetModel, hf_target: TargetModel | None, dtype: str) -> None:
+        self.spec = spec
+        self.target = target
+        self.hf_target = hf_target
+        self.drafter = build_drafter(spec.drafter, target, dtype=dtype) if spec.drafter else None
+        if spec.engine is not Engine.BYBLOCK and hf_target is None:
+            raise ByblockError(f"method '{spec.name}' needs the untouched transformers model")
+
+    def run(self, ids: list[int], params: SamplingParams) -> TurnResult:
+        """Generate one answer for prompt token ids."""
+        if self.spec.engine is Engine.BYBLOCK:
+            res = generate(self.target, ids, params, drafter=self.drafter)
+            return TurnResult(res.token_ids, res.ttft_s, res.total_s, res.stats)
+        return self._run_hf(ids, params)
+
+    def _run_hf(self, ids: list[int], params: SamplingParams) -> TurnResult:
+        model = self.hf_target
+        assert model is not None
+        kwargs: dict = {"max_new_tokens": params.max_new_tokens, "eos_token_id": sorted(model.eos_token_ids)}
+        if params.greedy:
+            kwargs["do_sample"] = False
+        else:
+            kwargs.update(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+        if self.spec.engine is Engine.HF_LOOKUP:
+            kwargs["prompt_lookup_num_tokens"] = HF_LOOKUP_TOKENS
+        clock = _FirstTokenClock()
+        with torch.inference_mode():
+            out = model.hf.generate(torch.tensor([ids]), streamer=clock, **kwargs)
+        total = time.perf_counter() - clock.start
+        new = out[0, len(ids) :].tolist()
+        eos = model.eos_token_ids
+        cut = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))  # same stopping rule as byblock
+        return TurnResult(new[:cut], clock.first or total, total, None)

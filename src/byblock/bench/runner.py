@@ -1,0 +1,138 @@
+"""The benchmark loop: every method on every prompt, interleaved, with a lossless check on every run.
+
+Per prompt the methods run back to back in a rotating order (drift hits all alike); a warm-up per method
+is excluded; seeds are fixed. Multi-turn prompts: each method answers turn 1, then sees its own answer
+before turn 2, and so on. Under greedy decoding every method's tokens are compared with `ar`'s (plain
+decoding) for every turn — a method that changes the output is flagged in the report.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from byblock.bench.datasets import Prompt
+from byblock.bench.methods import MethodRunner, TurnResult
+from byblock.models.adapter import TargetModel
+from byblock.sampling.params import SamplingParams
+
+
+@dataclass
+class MethodTotals:
+    """Running sums for one (dataset, method)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    emitted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    accept_hist: list[int] = field(default_factory=list)
+    pos_drafted: list[int] = field(default_factory=list)
+    pos_accepted: list[int] = field(default_factory=list)
+    turns: int = 0
+    mismatched_turns: int = 0
+    per_prompt_tok_s: list[float] = field(default_factory=list)
+
+    def add(self, r: TurnResult) -> None:
+        """Fold one turn in."""
+        self.tokens += len(r.token_ids)
+        self.seconds += r.total_s
+        self.ttft.append(r.ttft_s)
+        self.turns += 1
+        if r.total_s > 0:
+            self.per_prompt_tok_s.append(len(r.token_ids) / r.total_s)
+        s = r.stats
+        if s is None:
+            return
+        self.rounds += s.rounds
+        self.emitted += s.emitted_by_rounds
+        self.draft_s += s.draft_s
+        self.verify_s += s.verify_s
+        for mine, theirs in (
+            (self.accept_hist, s.accept_counts),
+            (self.pos_drafted, s.position_drafted),
+            (self.pos_accepted, s.position_accepted),
+        ):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+    def summary(self, baseline_tok_s: float | None) -> dict:
+        """The report row."""
+        tok_s = self.tokens / self.seconds if self.seconds else 0.0
+        spec = self.rounds > 0
+        return {
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 4),
+            "tok_s": round(tok_s, 3),
+            "speedup": round(tok_s / baseline_tok_s, 4) if baseline_tok_s else None,
+            "tau": round(self.emitted / self.rounds, 4) if spec else None,
+            "ttft_s_mean": round(statistics.fmean(self.ttft), 5) if self.ttft else None,
+            "ttft_s_p50": round(statistics.median(self.ttft), 5) if self.ttft else None,
+            "acceptance_histogram": self.accept_hist,
+            "per_position_acceptance": [
+                round(a / d, 4) if d else 0.0 for a, d in zip(self.pos_accepted, self.pos_drafted, strict=False)
+            ],
+            "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4),
+            "draft_fraction": round(self.draft_s / (self.draft_s + self.verify_s), 4) if spec else None,
+            "turns": self.turns,
+            "mismatched_turns": self.mismatched_turns,
+        }
+
+
+def conversation_ids(target: TargetModel, prompt: Prompt, answers: list[list[int]]) -> list[int]:
+    """Prompt ids for the next turn: earlier user turns interleaved with this method's own answers."""
+    if not prompt.chat:
+        return target.encode_prompt(prompt.text, chat=False)
+    messages: list[dict[str, str]] = []
+    for turn, answer in zip(prompt.user_turns, [*answers, None], strict=False):
+        messages.append({"role": "user", "content": turn})
+        if answer is None:
+            break
+        text = target.tokenizer.decode(answer, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": text})
+    return target.encode_messages(messages)
+
+
+def run_prompt(target: TargetModel, prompt: Prompt, runner: MethodRunner, params: SamplingParams) -> list[TurnResult]:
+    """All turns of one prompt with one method."""
+    answers: list[list[int]] = []
+    results = []
+    for _ in prompt.user_turns:
+        ids = conversation_ids(target, prompt, answers)
+        r = runner.run(ids, params)
+        results.append(r)
+        answers.append(r.token_ids)
+    return results
+
+
+def run_dataset(
+    target: TargetModel,
+    prompts: list[Prompt],
+    runners: dict[str, MethodRunner],
+    params: SamplingParams,
+    reference: str,
+    tick=None,
+) -> dict[str, MethodTotals]:
+    """Interleaved loop over prompts; returns totals per method (mismatches counted against `reference`)."""
+    names = list(runners)
+    totals = {n: MethodTotals() for n in names}
+    for i, prompt in enumerate(prompts):
+        k = i % len(names)
+        order = names[k:] + names[:k]  # rotate who goes first
+        outputs = {}
+        for name in order:
+            outputs[name] = run_prompt(target, prompt, runners[name], params)
+            if tick is not None:
+                tick()
+        for name in names:
+            for r in outputs[name]:
+                totals[name].add(r)
+            if params.greedy and name != reference:
+                ref = [r.token_ids for r in outputs[reference]]
+                mine = [r.token_ids for r in outputs[name]]
+                totals[name].mismatched_turns += sum(a != b for a, b in zip(mine, ref, strict=False))
+    return totals

@@ -1,0 +1,150 @@
+"""`byblock bench`: every method side by side on one model, dataset and machine, in one interleaved run.
+
+    byblock bench --methods ar,ngram,dflash,ddtree@16,hf --dataset dev,humaneval --limit 10
+    byblock bench --quick                       # ~2 minutes on the default model
+
+Writes report.json, report.md and PNG plots to --out, prints a table, and ends stdout with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from byblock.models.registry import DEFAULT_MODEL
+
+QUICK = {"methods": "ar,ngram,dflash,ddtree", "dataset": "dev,humaneval", "limit": 3, "max_new_tokens": 64}
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `byblock bench`."""
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--methods", default="ar,ngram,dflash", help="comma list; see byblock/bench/methods.py")
+    parser.add_argument("--dataset", default="dev", help="comma list of dev | humaneval | PATH.jsonl")
+    parser.add_argument("--dataset-path", default=None, help="where the dev prompts live (default: shared data)")
+    parser.add_argument("--limit", type=int, default=10, help="prompts per dataset")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline", default="ar", help="the method speedups are relative to")
+    parser.add_argument("--out", default=None, help="report directory (default bench-out/<timestamp>)")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="a ~2-minute run on the default model")
+    parser.add_argument("--update-results", default=None, help="RESULTS.md to update (with --section)")
+    parser.add_argument("--section", default=None, help="section name inside --update-results")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def load_datasets(spec: str, dev_path: str | None, limit: int) -> dict:
+    """{name: [Prompt]} for a comma list of dataset names or JSONL paths."""
+    from byblock.bench.datasets import load_dev, load_humaneval, load_jsonl
+
+    out = {}
+    for name in [s for s in spec.split(",") if s]:
+        if name == "dev":
+            out[name] = load_dev(limit, dev_path)
+        elif name == "humaneval":
+            out[name] = load_humaneval(limit)
+        else:
+            out[Path(name).stem] = load_jsonl(name, limit)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build every method once, run the interleaved loop, write the reports."""
+    from tqdm import tqdm
+
+    from byblock.bench.hardware import describe_machine
+    from byblock.bench.methods import Engine, MethodRunner, MethodSpec
+    from byblock.bench.report import terminal_table, update_results, write_all
+    from byblock.bench.runner import run_dataset
+    from byblock.errors import ByblockError
+    from byblock.models.loading import load_model
+    from byblock.sampling.params import SamplingParams
+
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    if bool(args.update_results) != bool(args.section):
+        raise ByblockError("--update-results and --section go together")
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if "ar" not in names:
+        names.insert(0, "ar")  # the reference every lossless check compares with
+    if len(set(names)) != len(names):
+        raise ByblockError("--methods lists a method twice")
+    specs = [MethodSpec.parse(n) for n in names]
+    if args.baseline not in names:
+        raise ByblockError(f"--baseline '{args.baseline}' is not among --methods")
+    datasets = load_datasets(args.dataset, args.dataset_path, args.limit)
+    target = load_model(args.model, dtype=args.dtype)
+    hf_target = None
+    if any(s.engine is not Engine.BYBLOCK for s in specs):
+        hf_target = load_model(args.model, dtype=args.dtype, relayout=False)
+    runners = {s.name: MethodRunner(s, target, hf_target, args.dtype) for s in specs}
+    warm = SamplingParams(max_new_tokens=8, temperature=args.temperature, seed=args.seed)
+    warm_ids = target.encode_prompt("Warm up: say hello.", chat=target.has_chat_template)
+    for r in runners.values():  # excluded from every number
+        r.run(warm_ids, warm)
+    total = sum(len(p) for p in datasets.values()) * len(runners)
+    bar = tqdm(total=total, desc="bench", unit="run", disable=args.quiet, file=sys.stderr)
+    report: dict = {
+        "version": 1,
+        "command": "byblock bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "machine": describe_machine(),
+        "date": datetime.date.today().isoformat(),
+        "model": args.model,
+        "dtype": args.dtype,
+        "params": {
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "max_new_tokens": args.max_new_tokens,
+            "seed": args.seed,
+        },
+        "baseline": args.baseline,
+        "reference": "ar",
+        "methods": names,
+        "method_sizes": {s.name: s.size for s in specs if s.size is not None},
+        "datasets": {},
+    }
+    for ds, prompts in datasets.items():
+        totals = run_dataset(target, prompts, runners, params, reference="ar", tick=lambda: bar.update(1))
+        base = totals[args.baseline]
+        base_tok_s = base.tokens / base.seconds if base.seconds else None
+        report["datasets"][ds] = {
+            "prompts": len(prompts),
+            "turns": totals["ar"].turns,
+            "methods": {n: t.summary(base_tok_s) for n, t in totals.items()},
+        }
+    bar.close()
+    out_dir = Path(args.out or f"bench-out/{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    write_all(report, out_dir, plots=not args.no_plots)
+    if args.update_results:
+        update_results(Path(args.update_results), args.section, report)
+    print(terminal_table(report))
+    greedy = params.greedy
+    summary = {
+        "report": report["files"]["json"],
+        "results": {
+            ds: {
+                n: {
+                    "tok_s": row["tok_s"],
+                    "speedup": row["speedup"],
+                    "tau": row["tau"],
+                    "lossless": (row["mismatched_turns"] == 0) if greedy and n != "ar" else None,
+                }
+                for n, row in block["methods"].items()
+            }
+            for ds, block in report["datasets"].items()
+        },
+    }
+    print(json.dumps(summary))
+    return 0

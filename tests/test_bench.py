@@ -1,0 +1,108 @@
+"""`byblock bench`: end to end on a tiny model, report schema, the lossless check, dataset errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny import make_dflash
+
+from byblock.bench.datasets import Prompt, load_jsonl
+from byblock.bench.methods import MethodSpec, TurnResult
+from byblock.bench.runner import run_dataset
+from byblock.drafters.dflash_format import save_dflash
+from byblock.errors import ByblockError
+from byblock.sampling.params import SamplingParams
+
+CLI = [sys.executable, "-m", "byblock.cli.main", "bench"]
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tmp_path_factory, tiny_llama_dir):
+    from byblock.models.loading import load_model
+
+    target = load_model(str(tiny_llama_dir))
+    return save_dflash(make_dflash(target, block=4), tmp_path_factory.mktemp("d") / "dflash", torch.float32)
+
+
+def test_method_names_parse_once():
+    assert MethodSpec.parse("dflash@8").drafter.block_size == 8
+    assert MethodSpec.parse("ddtree:/x@16").drafter.tree_budget == 16
+    assert MethodSpec.parse("adaptive").drafter.adaptive
+    assert MethodSpec.parse("hf").drafter is None
+    for bad in ("warp", "hf@4", "dflash@1", "ngram:x"):
+        with pytest.raises(ByblockError):
+            MethodSpec.parse(bad)
+
+
+def test_bench_end_to_end(tmp_path, tiny_llama_dir, tiny_drafter):
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "def add(a, b):"}, {"turns": ["hello world", "print(x)"]}, {"prompt": "a b c", "chat": False}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# results\n\nkept text\n")
+    methods = f"ar,ngram,dflash:{tiny_drafter}@3,dflash:{tiny_drafter}@4,ddtree:{tiny_drafter}@6,hf,hf-lookup"
+    cmd = [*CLI, "--model", str(tiny_llama_dir), "--methods", methods, "--dataset", str(data), "--limit", "3"]
+    cmd += ["--max-new-tokens", "12", "--out", str(tmp_path / "out"), "--quiet"]
+    cmd += ["--update-results", str(results), "--section", "tiny"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert set(report) >= {"command", "machine", "date", "model", "params", "baseline", "datasets", "files"}
+    block = report["datasets"]["prompts"]
+    assert block["prompts"] == 3 and block["turns"] == 4  # the conversation counts two turns
+    for name, row in block["methods"].items():
+        assert row["tokens"] > 0 and row["tok_s"] > 0 and row["speedup"] is not None
+        assert row["mismatched_turns"] == 0, name  # every method token-identical to ar
+        assert (row["tau"] is None) == name.startswith("hf")  # τ is byblock's; plain decoding has τ = 1
+        assert name != "ar" or row["tau"] == 1.0
+        assert last["results"]["prompts"][name]["lossless"] in (True, None)
+    for f in ("speedup.png", "tau_hist.png", "speedup_vs_size.png", "report.md"):
+        assert (tmp_path / "out" / f).is_file(), f
+    md = results.read_text()
+    assert "kept text" in md and "<!-- bench:tiny -->" in md and "| prompts | ddtree:" in md
+    assert "dflash" in r.stdout  # the terminal table
+
+
+class _Fake:
+    def __init__(self, corrupt: bool) -> None:
+        self.corrupt = corrupt
+
+    def run(self, ids, params):
+        toks = [1, 2, 3, 4] if not self.corrupt or len(ids) % 2 else [1, 2, 9, 4]
+        return TurnResult(toks, 0.01, 0.1, None)
+
+
+def test_lossless_check_flags_a_broken_method(tiny_targets):
+    target = tiny_targets["llama"]
+    prompts = [Prompt(id=str(i), text=t) for i, t in enumerate(["a", "b b", "c c c", "dd"])]
+    runners = {"ar": _Fake(False), "good": _Fake(False), "broken": _Fake(True)}
+    totals = run_dataset(target, prompts, runners, SamplingParams(max_new_tokens=4), reference="ar")
+    assert totals["good"].mismatched_turns == 0 and totals["broken"].mismatched_turns > 0
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"prompt": "ok"}\n{not json\n', ":2: not valid JSON"),
+        ('{"prompt": ""}\n', ":1: expected a non-empty string 'prompt'"),
+        ('{"turns": []}\n', ":1: 'turns' must be a non-empty list"),
+        ("[1, 2]\n", ":1: expected a JSON object"),
+    ],
+)
+def test_malformed_datasets_are_one_line_errors(tmp_path, content, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    with pytest.raises(ByblockError, match=message.replace("[", r"\[")):
+        load_jsonl(bad)
+
+
+def test_cli_malformed_dataset_exit_2(tmp_path, tiny_llama_dir):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    r = subprocess.run([*CLI, "--model", str(tiny_llama_dir), "--dataset", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 2 and "bad.jsonl:2" in r.stderr and "Traceback" not in r.stderr
