@@ -174,6 +174,10 @@ def test_cli_pipeline_and_torchrun(tmp_path, regen_dir, tiny_llama_dir):
     assert (out / "export" / "config.json").is_file() and (out / "train" / "state.pt").is_file()
     r = subprocess.run([*cli, *common, "--stage", "export", "--steps", "5"], capture_output=True, text=True)
     assert r.returncode == 2 and "another recipe" in r.stderr and "Traceback" not in r.stderr
+    domino = [*cli, "train", "domino", *common[2:], *tiny, "--freeze-backbone", "true", "--stage", "all"]
+    r = subprocess.run(domino, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "export-domino" / "domino_head.safetensors").is_file()
 
 
 def test_domino_training_from_a_dflash_checkpoint(tmp_path, regen_dir, tiny_llama_dir):
@@ -196,3 +200,16 @@ def test_domino_training_from_a_dflash_checkpoint(tmp_path, regen_dir, tiny_llam
     model, vocab = load_dflash(out)
     drafter = DominoDrafter(DFlashDrafter(model, target, draft_vocab=vocab), load_domino(out, target.hidden_size))
     greedy_outputs_match(target, [5, 17, 33, 9], SamplingParams(max_new_tokens=30), drafter)
+
+
+def test_domino_head_only_keeps_the_backbone(tmp_path, regen_dir, tiny_llama_dir):
+    base = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "d", _cfg(steps=5, ckpt_every=100))
+    base.run(progress=False)
+    dflash_dir = base.export(tmp_path / "dflash")
+    cfg = _cfg(steps=5, ckpt_every=100, eval_every=100, domino=True, freeze_backbone=True, init_from=str(dflash_dir))
+    trainer = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "dom", cfg)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.run(progress=False)
+    for k, v in trainer.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert trainer.head is not None and trainer.head.proj_out.weight.abs().sum() > 0

@@ -37,13 +37,25 @@ def table_rows(report: dict) -> list[list[str]]:
                     _fmt(row["tau"]),
                     _fmt(row["ttft_s_p50"], ".3f"),
                     _fmt(row["draft_fraction"], ".0%"),
+                    _fmt(row.get("round_cost_ratio"), ".2f"),
                     lossless_cell(row, greedy, name == report["reference"]),
                 ]
             )
     return rows
 
 
-HEADERS = ["dataset", "method", "tokens", "tok/s", "speedup", "τ", "TTFT p50 s", "draft share", "lossless"]
+HEADERS = [
+    "dataset",
+    "method",
+    "tokens",
+    "tok/s",
+    "speedup",
+    "τ",
+    "TTFT p50 s",
+    "draft share",
+    "round cost",
+    "lossless",
+]
 
 
 def terminal_table(report: dict) -> str:
@@ -63,7 +75,8 @@ def markdown(report: dict) -> str:
         f"Machine: {report['machine']}  ",
         f"Date: {report['date']}; model `{report['model']}` ({report['dtype']}); temperature {p['temperature']}, "
         f"max {p['max_new_tokens']} new tokens, seed {p['seed']}; speedup vs `{report['baseline']}`; "
-        f"lossless = token-identical to `{report['reference']}` (greedy only).",
+        f"lossless = token-identical to `{report['reference']}` (greedy only); round cost = (draft + verify time "
+        f"per round) ÷ the baseline's time per token, i.e. the τ at which a method breaks even.",
         "",
         "| " + " | ".join(HEADERS) + " |",
         "|" + "|".join("---" for _ in HEADERS) + "|",

@@ -78,6 +78,13 @@ class MethodTotals:
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
             "draft_fraction": round(self.draft_s / (self.draft_s + self.verify_s), 4) if spec else None,
+            "round_ms": round(1e3 * (self.draft_s + self.verify_s) / self.rounds, 3) if spec else None,
+            # round time / the baseline's time per token: the τ at which this method breaks even
+            "round_cost_ratio": (
+                round((self.draft_s + self.verify_s) / self.rounds * baseline_tok_s, 4)
+                if spec and baseline_tok_s
+                else None
+            ),
             "turns": self.turns,
             "mismatched_turns": self.mismatched_turns,
         }

@@ -32,7 +32,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `byblock train`."""
     from byblock.training.dflash_train import TrainConfig
 
-    parser.add_argument("method", choices=["dflash"], help="what to train")
+    parser.add_argument(
+        "method", choices=["dflash", "domino"], help="dflash: the drafter; domino: a correction head on a DFlash one"
+    )
     parser.add_argument("--target", default=DEFAULT_MODEL, help="the target model the drafter serves")
     parser.add_argument("--prompts", help="training prompts (JSONL with a 'prompt' field); never the eval sets")
     parser.add_argument("--out", required=True, help="work directory (regen/, train/, export/ inside)")
@@ -48,7 +50,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     t = parser.add_argument_group("train")
     defaults = TrainConfig()
     for f in fields(TrainConfig):
-        if f.name in ("seed",):
+        if f.name in ("seed", "domino"):
             continue
         flag = "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name)
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     _logging(out / "pipeline.log")
     summary: dict = {}
-    if stage in (Stage.REGENERATE, Stage.ALL):
+    if stage in (Stage.REGENERATE, Stage.ALL) and args.method == "dflash":
         if not args.prompts:
             raise ByblockError("--prompts is required to regenerate")
         from byblock.models.loading import load_model
@@ -102,16 +104,22 @@ def run(args: argparse.Namespace) -> int:
     if stage in (Stage.TRAIN, Stage.EXPORT, Stage.ALL):
         from byblock.training.dflash_train import DFlashTrainer
 
-        values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+        values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name != "domino"}
         if values["gamma"] is not None:
             values["gamma"] = float(values["gamma"])
-        tcfg = TrainConfig(**values)
-        trainer = DFlashTrainer(args.target, out / "regen", out / "train", tcfg)
+        domino = args.method == "domino"
+        if domino and not values["init_from"]:
+            values["init_from"] = str(out / "export")  # the DFlash drafter this work dir trained
+        if domino and not Path(values["init_from"], "config.json").is_file():
+            raise ByblockError(f"Domino starts from a DFlash checkpoint; none at {values['init_from']}")
+        tcfg = TrainConfig(**values, domino=domino)
+        suffix = "-domino" if domino else ""
+        trainer = DFlashTrainer(args.target, out / "regen", out / f"train{suffix}", tcfg)
         if stage is Stage.EXPORT and trainer.step == 0:
-            raise ByblockError(f"nothing trained yet in {out / 'train'} (run --stage train first)")
+            raise ByblockError(f"nothing trained yet in {out / f'train{suffix}'} (run --stage train first)")
         if stage is not Stage.EXPORT:
             summary["train"] = trainer.run(progress=not args.quiet)
         if trainer.rank == 0 and stage is not Stage.TRAIN:
-            summary["export"] = str(trainer.export(out / "export"))
+            summary["export"] = str(trainer.export(out / f"export{suffix}"))
     sys.stderr.write(f"{summary}\n")
     return 0

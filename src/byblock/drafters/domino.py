@@ -7,9 +7,10 @@ one backbone forward and adds, left to right, a residual computed from the token
     z_k   = lm_head(h_k) + W_2 SiLU(W_1 [h_k ; s_k])               rank-r logit residual (k ≥ 2; z_1 is the base)
 
 Only the GRU and the two projections run sequentially (microseconds per position here). Checkpoint:
-`domino_head.safetensors` beside the DFlash weights, which stay loadable as a plain DFlash drafter; config
-keys follow SGLang's DFLASH parser (`projector_type: "domino"`, `gru_hidden_dim`, `emb_dim`,
-`pure_draft_prefix_len`).
+`domino_head.safetensors` + `domino_config.json` beside the DFlash weights, whose config.json is left
+untouched so the directory stays loadable as a plain DFlash drafter everywhere (SGLang would read
+`projector_type: "domino"` in config.json as its own Domino layout, whose weight names differ). The head's
+keys use SGLang's names for the same quantities (`gru_hidden_dim`, `emb_dim`, `pure_draft_prefix_len`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from byblock.sampling.processors import process_logits, sample
 from byblock.verify.types import Draft, Verdict
 
 HEAD_FILE = "domino_head.safetensors"
+CONFIG_FILE = "domino_config.json"
 
 
 @dataclass(frozen=True)
@@ -78,23 +80,21 @@ class DominoHead(nn.Module):
 
 
 def save_domino(head: DominoHead, dflash_dir: str | Path) -> None:
-    """Write the head next to a DFlash checkpoint and mark the config (SGLang's keys)."""
+    """Write the head and its config next to a DFlash checkpoint (bf16)."""
     from safetensors.torch import save_file
 
     dflash_dir = Path(dflash_dir)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()}
     save_file(state, str(dflash_dir / HEAD_FILE))
-    cfg_path = dflash_dir / "config.json"
-    raw = json.loads(cfg_path.read_text())
     c = head.config
-    raw["dflash_config"].update(
-        projector_type="domino",
-        gru_hidden_dim=c.gru_hidden_dim,
-        emb_dim=c.emb_dim,
-        pure_draft_prefix_len=c.pure_draft_prefix_len,
-        domino_vocab_size=c.vocab_size,
-    )
-    cfg_path.write_text(json.dumps(raw, indent=2) + "\n")
+    meta = {
+        "projector_type": "domino",
+        "gru_hidden_dim": c.gru_hidden_dim,
+        "emb_dim": c.emb_dim,
+        "pure_draft_prefix_len": c.pure_draft_prefix_len,
+        "vocab_size": c.vocab_size,
+    }
+    (dflash_dir / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def load_domino(dflash_dir: str | Path, hidden_size: int, dtype: torch.dtype = torch.float32) -> DominoHead:
@@ -102,12 +102,12 @@ def load_domino(dflash_dir: str | Path, hidden_size: int, dtype: torch.dtype = t
     from safetensors.torch import load_file
 
     dflash_dir = Path(dflash_dir)
-    raw = json.loads((dflash_dir / "config.json").read_text()).get("dflash_config", {})
-    if raw.get("projector_type") != "domino" or not (dflash_dir / HEAD_FILE).is_file():
+    if not (dflash_dir / CONFIG_FILE).is_file() or not (dflash_dir / HEAD_FILE).is_file():
         raise ByblockError(f"{dflash_dir} has no Domino head (train one with `byblock train domino`)")
+    raw = json.loads((dflash_dir / CONFIG_FILE).read_text())
     cfg = DominoConfig(
         hidden_size=hidden_size,
-        vocab_size=int(raw["domino_vocab_size"]),
+        vocab_size=int(raw["vocab_size"]),
         gru_hidden_dim=int(raw["gru_hidden_dim"]),
         emb_dim=int(raw["emb_dim"]),
         pure_draft_prefix_len=int(raw.get("pure_draft_prefix_len", 1)),

@@ -65,6 +65,7 @@ class TrainConfig:
     gru_hidden_dim: int = 256
     emb_dim: int = 128  # rank of Domino's logit residual
     lambda_decay: float = 0.5  # base-anchored curriculum: λ goes 1 -> 0 over this fraction of the steps
+    freeze_backbone: bool = False  # Domino: train only the head (the DFlash weights stay as they are)
     init_from: str = ""  # a DFlash checkpoint dir to start the backbone from (its vocabulary and mask id too)
     bf16: bool = True  # autocast matmuls to bf16 (2.7x faster GEMMs on this AVX512-BF16 CPU); weights stay fp32
     val_shards: int = 1  # the last shards are held out for τ
@@ -101,15 +102,18 @@ def pick_mask_token(tokenizer, seqs: list[Sequence], eos: frozenset[int], vocab_
 class _Net(torch.nn.Module):
     """Backbone + optional Domino head as one module (what DDP wraps and what state.pt holds)."""
 
-    def __init__(self, backbone: DFlashDraftModel, head: DominoHead | None) -> None:
+    def __init__(self, backbone: DFlashDraftModel, head: DominoHead | None, freeze_backbone: bool = False) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = head
         self.block = backbone.config.block_size
+        self.freeze_backbone = freeze_backbone
+        backbone.requires_grad_(not freeze_backbone)
 
     def forward(self, emb, ctx, block_pos, ctx_pos, mask, prefix_embeds=None):
         """Draft states [b, T, H] and Domino's teacher-forced residuals [b, T, Vd] (None without a head)."""
-        h = self.backbone(emb, ctx, block_pos, ctx_pos, mask)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_backbone):
+            h = self.backbone(emb, ctx, block_pos, ctx_pos, mask)
         if self.head is None:
             return h, None
         b, t, hid = h.shape
@@ -197,10 +201,12 @@ class DFlashTrainer:
         if cfg.domino:
             dcfg = DominoConfig(self.model_cfg.hidden_size, len(vocab), cfg.gru_hidden_dim, cfg.emb_dim)
             self.head = DominoHead(dcfg)
-        self.net = _Net(self.model, self.head)
+        if cfg.freeze_backbone and not cfg.domino:
+            raise ByblockError("--freeze-backbone only makes sense with --domino")
+        self.net = _Net(self.model, self.head, cfg.freeze_backbone)
         self.weights = decay_weights(cfg.block_size, cfg.gamma or default_gamma(cfg.block_size))
         decay, no_decay = [], []
-        for p in self.net.parameters():
+        for p in (p for p in self.net.parameters() if p.requires_grad):
             (no_decay if p.ndim < 2 else decay).append(p)
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
@@ -267,7 +273,9 @@ class DFlashTrainer:
         loss = (w * self._position_loss(base[sel], batch, sel)).sum() / w.sum()
         scored = base[sel]
         if final is not None:
-            lam = self.curriculum()
+            # Base-anchored curriculum; with a frozen backbone the base term carries no gradient, so only
+            # the corrected logits are trained.
+            lam = 0.0 if self.cfg.freeze_backbone else self.curriculum()
             final_loss = (w * self._position_loss(final[sel], batch, sel)).sum() / w.sum()
             loss = lam * loss + (1 - lam) * final_loss
             scored = final[sel]
@@ -376,7 +384,8 @@ class DFlashTrainer:
             loss, info = self.loss(batch, model)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), cfg.grad_clip)
+            trained = [p for p in self.net.parameters() if p.requires_grad]
+            gnorm = torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)
             self.opt.step()
             self.step += 1
             self.train_seconds += time.perf_counter() - t_step
