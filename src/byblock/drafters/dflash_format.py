@@ -121,6 +121,9 @@ def save_dflash(
             ids = draft_vocab.to(torch.long)
             d2t = ids - torch.arange(len(ids))
             save_file({"draft_to_target": ids, "d2t": d2t}, str(tmp / VOCAB))
+        tmp.chmod(0o755)  # mkdtemp makes 0700; a checkpoint is meant to be shared
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

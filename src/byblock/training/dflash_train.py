@@ -85,6 +85,15 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+def same_recipe(saved: dict, cfg: TrainConfig) -> bool:
+    """Whether a checkpoint's recipe equals cfg; fields added to TrainConfig since it was written must still
+    hold their defaults (so an older run resumes under newer byblock)."""
+    current, default = asdict(cfg), asdict(TrainConfig())
+    return all(current.get(k) == v for k, v in saved.items()) and all(
+        current[k] == default[k] for k in current if k not in saved
+    )
+
+
 def pick_mask_token(tokenizer, seqs: list[Sequence], eos: frozenset[int], vocab_size: int) -> int:
     """A token id the target never emits: an unused special token, else the last id of the vocabulary."""
     seen: set[int] = set()
@@ -151,7 +160,7 @@ class DFlashTrainer:
         state_path = self.out_dir / "state.pt"
         resumed = torch.load(state_path, weights_only=False) if state_path.is_file() else None
         if resumed is not None:
-            if resumed["config"] != asdict(cfg) or resumed["train_paths"] != [p.name for p in self.train_paths]:
+            if not same_recipe(resumed["config"], cfg) or resumed["train_paths"] != [p.name for p in self.train_paths]:
                 raise ByblockError(f"{self.out_dir} holds a run with another recipe or data; use a new --out")
             vocab, mask_id = resumed["draft_vocab"], resumed["mask_token_id"]
             self.coverage = resumed["coverage"]
