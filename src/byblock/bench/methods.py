@@ -1,7 +1,7 @@
 """What `byblock bench` can run: byblock's decoders and external baselines, behind one call signature.
 
 Method names:  ar | hf | hf-lookup | ngram | model:ID | dflash[:PATH] | ddtree[:PATH] | domino[:PATH]
-               | dominotree[:PATH] | hybrid[:PATH] | adaptive[:PATH]      optionally suffixed @K:
+               | dominotree[:PATH] | hybrid[:PATH] | adaptive[:PATH] | adaptive-tree[:PATH]   optionally @K:
                K = block size for chains, node budget for trees (ddtree, dominotree, hybrid, adaptive).
 Parsed once into a MethodSpec; the per-prompt loop only calls `MethodRunner.run`.
 """
@@ -63,12 +63,15 @@ class MethodSpec:
                 raise ByblockError(f"method '{text}' takes no @K")
             return MethodSpec(text, Engine(body))
         adaptive = body.startswith("adaptive")
-        drafter_text = body.replace("adaptive", "dflash", 1) if adaptive else body
+        drafter_text = body
+        if adaptive:  # adaptive[:PATH] = adaptive DFlash chain; adaptive-tree[:PATH] = adaptive DDTree budget
+            tree = body.startswith("adaptive-tree")
+            drafter_text = body.replace("adaptive-tree" if tree else "adaptive", "ddtree" if tree else "dflash", 1)
         knobs: dict = {"adaptive": adaptive}
         try:
             kind = DrafterKind(drafter_text.partition(":")[0])
         except ValueError:
-            known = "ar, hf, hf-lookup, ngram, model:ID, dflash, ddtree, domino, dominotree, hybrid, adaptive"
+            known = "ar, hf, hf-lookup, ngram, model:ID, dflash, ddtree, domino, dominotree, hybrid, adaptive[-tree]"
             raise ByblockError(f"unknown method '{text}' (choose from {known})") from None
         if size is not None:
             knobs["tree_budget" if kind in TREE_KINDS or adaptive else "block_size"] = size
