@@ -23,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	$(VENV)/bin/byblock generate "Write a haiku about GPUs" --drafter ngram --highlight
+	$(VENV)/bin/byblock bench --quick
 
 test: setup
 	$(PY) -m pytest -q
