@@ -70,9 +70,23 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[Prompt]:
     return out
 
 
+def default_dev_path() -> Path:
+    """Where the dev prompts are: $BYBLOCK_DEV_PROMPTS, else ../shared/data beside the checkout or the cwd."""
+    import os
+
+    env = os.environ.get("BYBLOCK_DEV_PROMPTS")
+    if env:
+        return Path(env)
+    cwd_guess = Path.cwd().parent / "shared" / "data" / "dev_prompts.jsonl"
+    return DEFAULT_DEV_PATH if DEFAULT_DEV_PATH.is_file() or not cwd_guess.is_file() else cwd_guess
+
+
 def load_dev(limit: int | None = None, path: str | Path | None = None) -> list[Prompt]:
     """The project's held-out dev prompts (never trained on)."""
-    return load_jsonl(path or DEFAULT_DEV_PATH, limit)
+    path = Path(path) if path else default_dev_path()
+    if not path.is_file():
+        raise ByblockError(f"dev prompts not found at {path} (pass --dataset-path or set BYBLOCK_DEV_PROMPTS)")
+    return load_jsonl(path, limit)
 
 
 def load_humaneval(limit: int | None = None) -> list[Prompt]:
