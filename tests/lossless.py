@@ -1,6 +1,7 @@
 """The shared losslessness harness. Every drafter byblock ships must pass it.
 
 - greedy_outputs_match: speculative output is token-identical to plain decoding (and stops identically).
+- sampling_pvalue: speculative sampling's first tokens vs the exactly enumerated target law (chi-square).
 - NoisyOracleDrafter: a test drafter that proposes random trees mixing the true continuation with
   corruption, so acceptance lengths and tree shapes of every kind are exercised.
 """
@@ -8,9 +9,13 @@
 from __future__ import annotations
 
 import torch
+from stats import chi_square_pvalue
 
 from byblock import SamplingParams, generate
 from byblock.drafters.base import StatelessDrafter
+from byblock.engine.spec_loop import speculative_decode
+from byblock.engine.types import SpecStats
+from byblock.sampling.processors import process_logits
 from byblock.verify.types import Draft
 
 
@@ -55,3 +60,35 @@ def greedy_outputs_match(target, prompt_ids: list[int], params: SamplingParams, 
     assert spec.text == plain.text
     assert spec.finish_reason == plain.finish_reason
     return plain, spec
+
+
+SAMPLING_ALPHA = 1e-3
+
+
+def exact_joint(target, prompt: list[int], params: SamplingParams, length: int) -> dict[tuple[int, ...], float]:
+    """The exact law of the first `length` tokens plain sampling draws (enumerated; needs top-k to stay small)."""
+    exact: dict[tuple[int, ...], float] = {}
+
+    def expand(prefix: list[int], prob: float) -> None:
+        if len(prefix) == length:
+            exact[tuple(prefix)] = prob
+            return
+        logits = target.forward(torch.tensor([prompt + prefix]), target.new_cache()).logits[0, -1]
+        p = process_logits(logits, params)
+        for t in torch.nonzero(p).flatten().tolist():
+            expand([*prefix, t], prob * float(p[t]))
+
+    expand([], 1.0)
+    return exact
+
+
+def sampling_pvalue(target, drafter, prompt: list[int], params: SamplingParams, length: int = 4, trials: int = 1500):
+    """Chi-square p-value of the first `length` tokens of speculative sampling vs the exact target law."""
+    exact = exact_joint(target, prompt, params, length)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(trials):
+        loop = speculative_decode(target, drafter, prompt, params, g, SpecStats())
+        samples.append(tuple(next(loop).token_id for _ in range(length)))
+        loop.close()
+    return chi_square_pvalue(samples, exact)

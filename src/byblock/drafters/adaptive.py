@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from byblock.drafters.ddtree import build_tree
+from byblock.drafters.ddtree import build_tree, tree_logp
 from byblock.drafters.dflash import DFlashDrafter
 from byblock.models.adapter import TargetModel
 from byblock.sampling.params import SamplingParams
@@ -114,50 +114,31 @@ class AdaptiveDrafter:
         depth = min(self.block_size, max_depth)
         logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
         draft_s = self.draft_s / self.rounds if self.rounds else 0.0
-        vocab = self.dflash.draft_vocab
-        if not self.tree:
-            e = self.expected_chain()[: depth + 1]
-            rate = [float(e[d]) / (draft_s + self.cost(d + 1)) for d in range(depth + 1)]
-            d_best = max(range(depth + 1), key=rate.__getitem__)
-            if self.rounds % EXPLORE_EVERY == 0:
-                d_best = depth  # now and then verify the whole block, or deep positions are never measured
-            self.last_choice, self._depth = d_best, d_best
-            picked = logits[:d_best].argmax(-1) if self._params.greedy else None
-            if picked is None:  # sampling: the DFlash chain with its q, cut to the chosen depth
-                from byblock.sampling.processors import process_logits, sample
-
-                q_small = process_logits(logits[:d_best], self._params)
-                picked = sample(q_small, self.dflash._generator)
-                ids = picked if vocab is None else vocab[picked]
-                q = q_small
-                if vocab is not None:
-                    q = torch.zeros(d_best, self.dflash.vocab_size)
-                    q[:, vocab] = q_small
-                draft = Draft.chain(ids, q=q)
-            else:
-                draft = Draft.chain(picked if vocab is None else vocab[picked])
-        else:
-            if self._params.greedy:
-                logp = torch.log_softmax(logits.float(), -1)
-            else:
-                from byblock.sampling.processors import process_logits
-
-                logp = process_logits(logits, self._params).clamp_min(1e-30).log()
-            ids, parents = build_tree(logp, self.max_budget)
-            path_p = self._path_probs(logp, ids, parents)  # [N] in pop order
-            rho = self.rho_num / self.rho_den
-            expected = 1 + rho * path_p.cumsum(0)  # E(N) for N = 1..max
-            rate = [float(expected[n - 1]) / (draft_s + self.cost(n + 1)) for n in range(1, len(ids) + 1)]
-            n_best = 1 + max(range(len(rate)), key=rate.__getitem__) if rate else 0
-            self.last_choice = n_best
-            self._predicted = float(path_p[:n_best].sum())
-            toks = torch.tensor(ids[:n_best], dtype=torch.long)
-            draft = Draft(
-                tokens=toks if vocab is None else vocab[toks], parents=torch.tensor(parents[:n_best], dtype=torch.long)
-            )
+        draft = self._tree(logits, draft_s) if self.tree else self._chain(logits, depth, draft_s)
         self.draft_s += time.perf_counter() - t0
         self.rounds += 1
         return draft
+
+    def _chain(self, logits: torch.Tensor, depth: int, draft_s: float) -> Draft:
+        e = self.expected_chain()[: depth + 1]
+        rate = [float(e[d]) / (draft_s + self.cost(d + 1)) for d in range(depth + 1)]
+        d_best = max(range(depth + 1), key=rate.__getitem__)
+        if self.rounds % EXPLORE_EVERY == 0:
+            d_best = depth  # now and then verify the whole block, or deep positions are never measured
+        self.last_choice, self._depth = d_best, d_best
+        return self.dflash.chain_from_logits(logits[:d_best])
+
+    def _tree(self, logits: torch.Tensor, draft_s: float) -> Draft:
+        logp = tree_logp(logits, self._params)
+        ids, parents = build_tree(logp, self.max_budget)
+        path_p = self._path_probs(logp, ids, parents)  # [N] in pop order
+        expected = 1 + (self.rho_num / self.rho_den) * path_p.cumsum(0)  # E(N) for N = 1..max
+        rate = [float(expected[n - 1]) / (draft_s + self.cost(n + 1)) for n in range(1, len(ids) + 1)]
+        n_best = 1 + max(range(len(rate)), key=rate.__getitem__) if rate else 0
+        self.last_choice = n_best
+        self._predicted = float(path_p[:n_best].sum())
+        toks = self.dflash.to_target(torch.tensor(ids[:n_best], dtype=torch.long))[0]
+        return Draft(tokens=toks, parents=torch.tensor(parents[:n_best], dtype=torch.long))
 
     @staticmethod
     def _path_probs(logp: torch.Tensor, ids: list[int], parents: list[int]) -> torch.Tensor:

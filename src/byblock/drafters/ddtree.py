@@ -21,6 +21,14 @@ from byblock.sampling.processors import process_logits
 from byblock.verify.types import Draft, Verdict
 
 
+def tree_logp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probs a tree is built from: the raw draft distribution when greedy, else the processed one
+    (the distribution the target will be sampled from, mirrored). logits [..., V] -> [..., V]."""
+    if params.greedy:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return process_logits(logits, params).clamp_min(1e-30).log()
+
+
 def build_tree(logp: torch.Tensor, budget: int, top_k: int | None = None) -> tuple[list[int], list[int]]:
     """Best-first tree over per-depth log-probs [D, V]; returns (vocabulary ids, parent per node).
 
@@ -111,14 +119,8 @@ class DDTreeDrafter:
         """The best `budget` prefixes of the block's distributions, as one tree."""
         depth = min(self.block_size, max_depth)
         logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [depth, Vd]
-        if self._params.greedy:
-            logp = torch.log_softmax(logits.float(), dim=-1)
-        else:  # the distribution the target will be sampled from is the processed one; mirror it
-            logp = process_logits(logits, self._params).clamp_min(1e-30).log()
-        ids, parents = build_tree(logp, self.budget, self.top_k)
-        toks = torch.tensor(ids, dtype=torch.long)
-        if self.dflash.draft_vocab is not None:
-            toks = self.dflash.draft_vocab[toks]
+        ids, parents = build_tree(tree_logp(logits, self._params), self.budget, self.top_k)
+        toks = self.dflash.to_target(torch.tensor(ids, dtype=torch.long))[0]
         return Draft(tokens=toks, parents=torch.tensor(parents, dtype=torch.long))
 
     def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:

@@ -116,22 +116,31 @@ class DFlashDrafter:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return (logits, h[0, 1 : 1 + depth]) if return_hidden else logits
 
+    def to_target(
+        self, ids: torch.Tensor, q_small: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft-vocabulary ids (and q over it, [n, Vd]) -> target ids (and q over the target vocabulary)."""
+        vocab = self.draft_vocab
+        if vocab is None:
+            return ids, q_small
+        if q_small is None:
+            return vocab[ids], None
+        q = torch.zeros(q_small.shape[0], self.vocab_size)
+        q[:, vocab] = q_small
+        return vocab[ids], q
+
+    def chain_from_logits(self, logits: torch.Tensor) -> Draft:
+        """A chain from draft logits [depth, Vd]: argmax when greedy, else a draw with its q recorded."""
+        if self._params.greedy:
+            return Draft.chain(self.to_target(logits.argmax(-1))[0])
+        q_small = process_logits(logits, self._params)  # [depth, Vd]
+        tokens, q = self.to_target(sample(q_small, self._generator), q_small)
+        return Draft.chain(tokens, q=q)
+
     def propose(self, tokens: list[int], max_depth: int) -> Draft:
         """A chain of up to B−1 tokens after tokens[-1] (q set when sampling)."""
         depth = min(self.block_size, max_depth)
-        logits = self.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [depth, Vd]
-        to_target = self.draft_vocab
-        if self._params.greedy:
-            picked = logits.argmax(-1)
-            chain = picked if to_target is None else to_target[picked]
-            return Draft.chain(chain)
-        q_small = process_logits(logits, self._params)  # [depth, Vd]
-        picked = sample(q_small, self._generator)
-        if to_target is None:
-            return Draft.chain(picked, q=q_small)
-        q = torch.zeros(depth, self.vocab_size)
-        q[:, to_target] = q_small
-        return Draft.chain(to_target[picked], q=q)
+        return self.chain_from_logits(self.draft_logits(tokens[-1], len(tokens) - 1, depth))
 
     def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
         """Queue the features of the root and the accepted tokens as new context."""

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from byblock.drafters.ddtree import build_tree_lazy
+from byblock.drafters.ddtree import build_tree_lazy, tree_logp
 from byblock.drafters.dflash import DFlashDrafter
 from byblock.errors import ByblockError
 from byblock.sampling.params import SamplingParams
@@ -154,9 +154,6 @@ class DominoDrafter:
                 return self._tree(base, h, emb_anchor, depth)
             return self._chain(base, h, emb_anchor, depth)
 
-    def _dist(self, logits: torch.Tensor) -> torch.Tensor:
-        return process_logits(logits, self._params)
-
     def _chain(self, base, h, emb_anchor, depth) -> Draft:
         picked, qs = [], []
         state = None
@@ -169,22 +166,14 @@ class DominoDrafter:
             if self._params.greedy:
                 t = int(logits.argmax())
             else:
-                q = self._dist(logits)
+                q = process_logits(logits, self._params)
                 t = int(sample(q, self._generator))
                 qs.append(q)
             picked.append(t)
             prev_emb = self._embed(t)
         ids = torch.tensor(picked, dtype=torch.long)
-        vocab = self.dflash.draft_vocab
-        to_target = vocab[ids] if vocab is not None else ids
-        if self._params.greedy:
-            return Draft.chain(to_target)
-        q_small = torch.stack(qs)  # [D, Vd]
-        if vocab is None:
-            return Draft.chain(to_target, q=q_small)
-        q = torch.zeros(depth, self.dflash.vocab_size)
-        q[:, vocab] = q_small
-        return Draft.chain(to_target, q=q)
+        tokens, q = self.dflash.to_target(ids, torch.stack(qs) if qs else None)  # q: [D, V] when sampling
+        return Draft.chain(tokens, q=q)
 
     def _tree(self, base, h, emb_anchor, depth) -> Draft:
         """DominoTree: a node's children distribution depends on its path, computed when it is expanded."""
@@ -197,15 +186,10 @@ class DominoDrafter:
             logits = base[child_index].float()
             if child_index >= self.head.config.pure_draft_prefix_len:
                 logits = logits + res[0].float()
-            if self._params.greedy:
-                return torch.log_softmax(logits, -1)
-            return self._dist(logits).clamp_min(1e-30).log()
+            return tree_logp(logits, self._params)
 
         ids, parents = build_tree_lazy(expand, depth, self.tree_budget)
-        toks = torch.tensor(ids, dtype=torch.long)
-        vocab = self.dflash.draft_vocab
-        if vocab is not None:
-            toks = vocab[toks]
+        toks = self.dflash.to_target(torch.tensor(ids, dtype=torch.long))[0]
         return Draft(tokens=toks, parents=torch.tensor(parents, dtype=torch.long))
 
     def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
