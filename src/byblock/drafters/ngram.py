@@ -34,9 +34,11 @@ class NgramConfig:
 
 
 def find_continuations(tokens: list[int], n: int, length: int, limit: int) -> list[list[int]]:
-    """Continuations (up to `length` tokens) after earlier occurrences of the last n tokens, newest first.
+    """Continuations (up to `length` tokens) after earlier occurrences of the last n tokens.
 
-    Distinct continuations only; at most `limit`. O(len(tokens)) per call via one tensor comparison.
+    Longest first, newest first among equal lengths: in repetitive text the newest match sits right before
+    the query and its continuation is cut short by the end of the context, while a slightly older match
+    offers a full block. Distinct continuations only; at most `limit`. O(len(tokens)) per call.
     """
     if len(tokens) <= n:
         return []
@@ -44,8 +46,8 @@ def find_continuations(tokens: list[int], n: int, length: int, limit: int) -> li
     windows = t.unfold(0, n, 1)[:-1]  # [L-n, n]: every n-gram except the final (the query itself)
     hits = torch.nonzero((windows == t[-n:]).all(-1)).flatten().tolist()
     out: list[list[int]] = []
-    for start in reversed(hits):
-        cont = tokens[start + n : start + n + length]
+    candidates = sorted((tokens[s + n : s + n + length] for s in reversed(hits)), key=len, reverse=True)
+    for cont in candidates:
         if cont and cont not in out:
             out.append(cont)
             if len(out) >= limit:

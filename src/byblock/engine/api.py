@@ -20,6 +20,17 @@ from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import make_generator
 
 
+def check_prompt_fits(model: TargetModel, prompt_ids: list[int]) -> None:
+    """Raise ContextLengthError unless the prompt is non-empty and leaves room for at least one new token."""
+    if not prompt_ids:
+        raise ContextLengthError("the prompt is empty after tokenization")
+    if len(prompt_ids) >= model.max_context:
+        raise ContextLengthError(
+            f"prompt is {len(prompt_ids)} tokens; model '{model.name}' has a context of "
+            f"{model.max_context}, leaving no room to generate"
+        )
+
+
 class Generation:
     """One request. Iterate it for StreamEvents; afterwards `.result` holds the GenerationResult."""
 
@@ -35,13 +46,7 @@ class Generation:
         self.params = params
         self.drafter = drafter
         self.prompt_ids = model.encode_prompt(prompt, chat) if isinstance(prompt, str) else list(prompt)
-        if not self.prompt_ids:
-            raise ContextLengthError("the prompt is empty after tokenization")
-        if len(self.prompt_ids) >= model.max_context:
-            raise ContextLengthError(
-                f"prompt is {len(self.prompt_ids)} tokens; model '{model.name}' has a context of "
-                f"{model.max_context}, leaving no room to generate"
-            )
+        check_prompt_fits(model, self.prompt_ids)
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[StreamEvent]:

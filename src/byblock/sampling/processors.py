@@ -19,7 +19,11 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # Shift by the max first: with a tiny temperature (1e-30) x / T overflows to ±inf and inf - inf is NaN;
+    # shifted, the top logit stays 0 and the rest go to -inf, the exact T -> 0 limit. T is floored at float32's
+    # smallest normal (a subnormal T would round to 0 in the division); the result is one-hot either way.
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -28,6 +32,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         sorted_probs = sorted_logits.softmax(-1)
         # Drop a token when the mass strictly before it already reaches top_p (the first token always stays).
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop_sorted[..., 0] = False  # a top_p below float32's smallest normal rounds to 0 in the comparison
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)

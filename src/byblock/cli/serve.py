@@ -1,0 +1,81 @@
+"""`byblock serve`: load a model and its drafters, serve the OpenAI API, /metrics and the playground."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+from byblock.errors import ByblockError
+from byblock.models.registry import DEFAULT_MODEL
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `byblock serve`."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, checkpoint dir, .gguf or hub id")
+    parser.add_argument("--served-model-name", default=None, help="the id clients send as 'model' (default: --model)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        help="a drafter to load (repeatable; the first is the default, 'none' is always loaded): "
+        "ngram | model:ID | dflash|ddtree|domino|dominotree|hybrid[:PATH]",
+    )
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per verify forward (see generate)")
+    parser.add_argument("--tree-budget", type=int, default=32, help="max draft nodes per round (trees)")
+    parser.add_argument("--num-candidates", type=int, default=1, help="ngram: continuations merged into a tree")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of chat requests")
+    parser.add_argument("--max-tokens-limit", type=int, default=4096, help="larger max_tokens is a 400 error")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--trust-remote-code", action="store_true", help="allow hub checkpoints to run code")
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail with one line before loading anything if the address is taken."""
+    if not 0 < port < 65536:
+        raise ByblockError(f"--port must be in 1..65535, got {port}")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ByblockError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, build the app, serve until interrupted."""
+    import uvicorn
+
+    from byblock.drafters import DrafterSpec, build_drafter
+    from byblock.engine.core import SerialEngineCore
+    from byblock.models.loading import load_model
+    from byblock.server.app import ServerConfig, create_app
+
+    if args.max_tokens < 1 or args.max_tokens_limit < args.max_tokens:
+        raise ByblockError("need 1 <= --max-tokens <= --max-tokens-limit")
+    _check_port(args.host, args.port)
+    knobs = {"block_size": args.block_size, "tree_budget": args.tree_budget, "num_candidates": args.num_candidates}
+    specs = {text: DrafterSpec.parse(text, **knobs) for text in dict.fromkeys(args.drafter)}
+    logging.basicConfig(level=args.log_level.upper(), format="%(message)s", stream=sys.stderr)
+    model = load_model(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    drafters = {text: build_drafter(spec, model, dtype=args.dtype) for text, spec in specs.items()}
+    drafters.pop("none", None)
+    core = SerialEngineCore(model, drafters)
+    default = args.drafter[0] if args.drafter else "none"
+    config = ServerConfig(
+        model_name=args.served_model_name or args.model,
+        default_drafter=default,
+        default_max_tokens=args.max_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+    )
+    app = create_app(model, core, config)
+    sys.stderr.write(
+        f"byblock serve: {config.model_name} with drafters {', '.join(core.drafter_names)} "
+        f"(default {default}) on http://{args.host}:{args.port}/  (playground at /, metrics at /metrics)\n"
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0

@@ -1,0 +1,1 @@
+"""`byblock serve`: the OpenAI-compatible server (app, engine bridge, metrics, playground)."""

@@ -1,0 +1,303 @@
+"""`byblock serve`'s ASGI app: OpenAI-compatible endpoints over one AsyncEngine, /metrics, /health, playground.
+
+The flow of one request, in one place (`_handle`): validate the body (pydantic) → resolve model, drafter
+and sampling params → tokenize and check the context → submit to the engine → stream SSE chunks or wait
+for the whole result, aborting the request if the client goes away → metrics + one JSON log line.
+Every user error is an OpenAI-style 4xx body; nothing a client sends can crash the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from byblock import __version__
+from byblock.engine.api import check_prompt_fits
+from byblock.engine.core import EngineCore, EngineRequest, RequestOutput
+from byblock.engine.types import GenerationResult
+from byblock.errors import ByblockError, ContextLengthError
+from byblock.models.adapter import TargetModel
+from byblock.server.metrics import ServerMetrics
+from byblock.server.protocol import (
+    ChatCompletionRequest,
+    ChunkFactory,
+    CompletionRequest,
+    error_body,
+    full_response,
+    new_id,
+)
+from byblock.server.worker import AsyncEngine
+
+log = logging.getLogger("byblock.server")
+
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the server exposes and its limits."""
+
+    model_name: str  # the id clients put in "model"
+    default_drafter: str = "none"
+    default_max_tokens: int = 512  # chat requests without max_tokens (never past the context)
+    max_tokens_limit: int = 4096  # larger max_tokens is a 400
+
+
+class ApiError(Exception):
+    """A request error that becomes an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    type_ = "invalid_request_error" if status < 500 else "internal_error"
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+def _sse(obj: dict[str, Any] | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def create_app(model: TargetModel, core: EngineCore, config: ServerConfig) -> FastAPI:
+    """The server app. `core` owns the model from its engine thread; handlers only tokenize."""
+    engine = AsyncEngine(core)
+    metrics = ServerMetrics(queue_depth=core.num_waiting, running=core.num_running)
+    if config.default_drafter not in core.drafter_names:
+        raise ByblockError(f"default drafter '{config.default_drafter}' is not loaded")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.close()
+
+    app = FastAPI(
+        title="byblock", version=__version__, description="OpenAI-compatible block-parallel decoding", lifespan=lifespan
+    )
+    app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
+
+    def rejected(request: Request, status: int, message: str, param: str | None = None, code: str | None = None):
+        """An error response, counted and logged like every other request."""
+        endpoint = ENDPOINTS.get(request.url.path, "other")
+        metrics.requests.labels(endpoint, str(status)).inc()
+        log.info(json.dumps({"event": "rejected", "endpoint": endpoint, "status": status, "error": message}))
+        return _error(status, message, param, code)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return rejected(request, e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
+        if err.get("type") == "json_invalid":
+            return rejected(request, 400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        msg = f"{where + ': ' if where else ''}{err.get('msg', 'invalid value')}"
+        return rejected(request, 400, msg, loc[0] if loc else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return rejected(request, e.status_code, f"{e.detail}: {request.method} {request.url.path}")
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return rejected(request, 500, f"internal error: {type(e).__name__}")
+
+    def resolve(body: CompletionRequest | ChatCompletionRequest, chat: bool) -> EngineRequest:
+        if body.model != config.model_name:
+            raise ApiError(
+                404,
+                f"model '{body.model}' is not served here (serving '{config.model_name}')",
+                "model",
+                "model_not_found",
+            )
+        drafter = body.drafter or config.default_drafter
+        if drafter not in core.drafter_names:
+            raise ApiError(
+                400, f"drafter '{drafter}' is not loaded (loaded: {', '.join(core.drafter_names)})", "drafter"
+            )
+        try:
+            params = body.sampling_params(config.default_max_tokens)
+        except ByblockError as e:
+            raise ApiError(400, str(e)) from None
+        if params.max_new_tokens > config.max_tokens_limit:
+            raise ApiError(
+                400,
+                f"max_tokens {params.max_new_tokens} exceeds this server's limit {config.max_tokens_limit}",
+                "max_tokens",
+            )
+        ids = tokenize(body)
+        try:
+            check_prompt_fits(model, ids)
+        except ContextLengthError as e:
+            raise ApiError(400, str(e), "messages" if chat else "prompt", "context_length_exceeded") from None
+        return EngineRequest(new_id("req"), tuple(ids), params, drafter)
+
+    def tokenize(body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if isinstance(body, ChatCompletionRequest):
+            try:
+                return model.encode_messages(body.chat_messages())
+            except Exception as e:  # a chat template can reject a conversation (e.g. roles out of order)
+                raise ApiError(400, f"messages rejected by the chat template: {e}", "messages") from None
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            ids = [int(t) for t in prompt]
+            if max(ids) >= model.vocab_size:
+                raise ApiError(
+                    400, f"prompt token id {max(ids)} is outside the vocabulary ({model.vocab_size})", "prompt"
+                )
+            return ids
+        text = prompt[0] if isinstance(prompt, list) else prompt
+        return model.encode_prompt(str(text), chat=False)
+
+    def finish(
+        endpoint: str,
+        status: str,
+        req: EngineRequest,
+        arrived: float,
+        ttft: float | None,
+        result: GenerationResult | None,
+        stream: bool,
+    ) -> None:
+        e2e = time.perf_counter() - arrived
+        metrics.requests.labels(endpoint, status).inc()
+        if result is not None:
+            metrics.observe_result(result, ttft if ttft is not None else e2e, e2e)
+        if status == "aborted":
+            metrics.aborted.inc()
+        line = {
+            "event": "request",
+            "id": req.request_id,
+            "endpoint": endpoint,
+            "status": status,
+            "stream": stream,
+            "drafter": req.drafter,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": result.num_new_tokens if result else 0,
+            "finish_reason": result.finish_reason.value if result else None,
+            "tau": round(result.stats.mean_accepted, 3) if result and result.stats.rounds else None,
+            "ttft_s": round(ttft, 4) if ttft is not None else None,
+            "e2e_s": round(e2e, 4),
+        }
+        log.info(json.dumps(line))
+
+    async def handle(body: CompletionRequest | ChatCompletionRequest, http: Request, chat: bool) -> Response:
+        arrived = time.perf_counter()
+        endpoint = "chat" if chat else "completions"
+        req = resolve(body, chat)
+        if body.stream:
+            return StreamingResponse(
+                stream(req, chat, body.include_usage, arrived, endpoint),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        ttft: float | None = None
+        result: GenerationResult | None = None
+        failure: RequestOutput | None = None
+
+        async def collect() -> None:
+            nonlocal ttft, result, failure
+            async for out in engine.generate(req):
+                if out.event is not None and ttft is None:
+                    ttft = time.perf_counter() - arrived
+                result = out.result or result
+                failure = out if out.error is not None else failure
+
+        task = asyncio.ensure_future(collect())
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await http.is_disconnected():
+                task.cancel()
+                finish(endpoint, "aborted", req, arrived, ttft, None, False)
+                return Response(status_code=499)
+        task.result()
+        if failure is not None or result is None:
+            finish(endpoint, "error", req, arrived, ttft, None, False)
+            if failure is None:
+                return _error(500, "generation ended without a result")
+            return _error(500 if failure.internal else 400, failure.error or "generation failed")
+        finish(endpoint, "ok", req, arrived, ttft, result, False)
+        return JSONResponse(full_response(chat, config.model_name, result))
+
+    async def stream(
+        req: EngineRequest, chat: bool, include_usage: bool, arrived: float, endpoint: str
+    ) -> AsyncIterator[bytes]:
+        chunks = ChunkFactory(chat, config.model_name)
+        ttft: float | None = None
+        result: GenerationResult | None = None
+        status = "aborted"
+        try:
+            first = chunks.first()
+            if first is not None:
+                yield _sse(first)
+            async for out in engine.generate(req):
+                if out.error is not None:
+                    status = "error"
+                    yield _sse(error_body(out.error, "internal_error" if out.internal else "invalid_request_error"))
+                    break
+                if out.event is not None:
+                    ttft = ttft if ttft is not None else time.perf_counter() - arrived
+                    yield _sse(chunks.delta(out.event))
+                if out.result is not None:
+                    result = out.result
+                    yield _sse(chunks.final(result))
+                    if include_usage:
+                        yield _sse(chunks.usage(result))
+                    status = "ok"
+            yield _sse("[DONE]")
+        finally:
+            finish(endpoint, status, req, arrived, ttft, result if status == "ok" else None, True)
+
+    @app.post("/v1/completions", summary="OpenAI completions (byblock extension: `drafter`)")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await handle(body, request, chat=False)
+
+    @app.post("/v1/chat/completions", summary="OpenAI chat completions (byblock extension: `drafter`)")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await handle(body, request, chat=True)
+
+    @app.get("/v1/models", summary="The served model and its loaded drafters")
+    async def models() -> dict[str, Any]:
+        entry = {
+            "id": config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "byblock",
+            "max_model_len": model.max_context,
+            "byblock": {"drafters": list(core.drafter_names), "default_drafter": config.default_drafter},
+        }
+        return {"object": "list", "data": [entry]}
+
+    @app.get("/health", summary="Liveness: 200 while the engine thread runs")
+    async def health() -> Response:
+        alive = engine.alive()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/", response_class=HTMLResponse, summary="The playground page")
+    async def playground() -> HTMLResponse:
+        return HTMLResponse(resources.files("byblock.server").joinpath("playground.html").read_text("utf-8"))
+
+    return app

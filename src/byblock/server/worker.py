@@ -1,0 +1,99 @@
+"""The bridge between asyncio request handlers and an EngineCore that runs on its own thread.
+
+Handlers call `AsyncEngine.generate(request)` and iterate RequestOutputs; the engine thread owns the model
+and is the only thread that touches it. Leaving the iteration early (client disconnect, cancelled task)
+aborts the request in the engine, so its decoding stops at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from byblock.engine.core import EngineCore, EngineRequest, RequestOutput
+
+
+@dataclass
+class _Listener:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[RequestOutput]
+
+
+class AsyncEngine:
+    """Runs an EngineCore on a daemon thread and fans its outputs out to asyncio queues."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._inbox: queue.Queue[tuple[str, EngineRequest | str]] = queue.Queue()
+        self._listeners: dict[str, _Listener] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.start()
+
+    def start(self) -> None:
+        """Start the engine thread (no-op while it runs; an ASGI lifespan may stop and start it again)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(self._stop,), name="byblock-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs until the finished one; leaving early aborts it."""
+        listener = _Listener(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self._listeners[request.request_id] = listener
+        self._inbox.put(("add", request))
+        finished = False
+        try:
+            while True:
+                out = await listener.outputs.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._listeners.pop(request.request_id, None)
+            if not finished:
+                self._inbox.put(("abort", request.request_id))
+
+    def alive(self) -> bool:
+        """True while the engine thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self) -> None:
+        """Stop the engine thread after its current step (queued requests stay queued for a restart)."""
+        self._stop.set()
+        self._inbox.put(("wake", ""))
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                assert isinstance(item, EngineRequest)
+                self.core.add_request(item)
+            elif kind == "abort":
+                assert isinstance(item, str)
+                self.core.abort_request(item)
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self._drain(block=not self.core.has_unfinished())
+            if not self.core.has_unfinished():
+                continue
+            for out in self.core.step():
+                with self._lock:
+                    listener = self._listeners.get(out.request_id)
+                if listener is not None:
+                    listener.loop.call_soon_threadsafe(listener.outputs.put_nowait, out)
