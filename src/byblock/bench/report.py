@@ -166,11 +166,16 @@ def write_all(report: dict, out_dir: Path, plots: bool = True) -> dict[str, str]
     return files
 
 
-def update_results(results_md: Path, section: str, report: dict) -> None:
-    """Replace (or append) the block between `<!-- bench:SECTION -->` markers with this report's markdown."""
+def replace_section(results_md: Path, section: str, body_markdown: str) -> None:
+    """Replace (or append) the block between `<!-- bench:SECTION -->` markers with `body_markdown`."""
     begin, end = f"<!-- bench:{section} -->", f"<!-- /bench:{section} -->"
-    block = f"{begin}\n{markdown(report)}{end}"
+    block = f"{begin}\n{body_markdown}{end}"
     text = results_md.read_text() if results_md.is_file() else "# byblock benchmark results\n"
     pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block + "\n"
     results_md.write_text(text)
+
+
+def update_results(results_md: Path, section: str, report: dict) -> None:
+    """Write a bench report's markdown into its section of RESULTS.md."""
+    replace_section(results_md, section, markdown(report))

@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "bench": "Benchmark decoding methods side by side (speed, τ, lossless check, reports).",
     "train": "Train a drafter for a target: regenerate data, train, export (resumable).",
     "serve": "Serve the OpenAI API with block-parallel decoding, /metrics and a playground page.",
+    "loadgen": "Closed-loop load against a running server: throughput and TTFT p50/p99 per level.",
 }
 
 
