@@ -140,3 +140,46 @@ def make_dflash(target, block: int = 4, num_layers: int = 2, seed: int = 0):
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
     return model.eval()
+
+
+def make_diffusion_gemma(canvas: int = 8, seed: int = 0):
+    """A tiny random DiffusionGemmaForBlockDiffusion (4 layers, hidden 64, vocab 320; MoE and vision tower tiny).
+
+    The vision tower is always built (None would give the full-size default) and every layer carries an MoE
+    branch, so both are configured small; full-attention layers get their own (small) head dim.
+    """
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DiffusionGemmaTextConfig
+
+    text = DiffusionGemmaTextConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        sliding_window=16,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    vision = dict(
+        model_type="gemma4_vision",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        position_embedding_size=64,
+    )
+    torch.manual_seed(seed)
+    cfg = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas)
+    return DiffusionGemmaForBlockDiffusion(cfg).eval()

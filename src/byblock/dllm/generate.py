@@ -1,0 +1,139 @@
+"""Semi-autoregressive block diffusion, one loop for every sampler:
+
+    commit(prompt)
+    for each block of B tokens:
+        canvas ← all MASK (mask samplers) | uniform random tokens (renoise)
+        repeat: logits ← denoise(canvas) ; the sampler updates the canvas    (NFE += 1)
+        until the block is decided (no MASK left | stable and confident | step cap)
+        emit the block (cut at EOS) ; commit(block)                          (one causal-cache pass)
+
+TPF (tokens per forward) = emitted tokens / denoising forwards: what a sampler must push above the cost
+ratio of a canvas forward to an AR step to be faster than AR decoding.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from byblock.dllm.config import MASK_SAMPLERS, DllmConfig, SamplerKind
+from byblock.dllm.denoisers import Denoiser
+from byblock.dllm.low_confidence import transfer_schedule
+from byblock.dllm.mask_step import make_rule, propose
+from byblock.dllm.renoise import init_state, renoise_step
+from byblock.errors import InvalidParameterError
+from byblock.sampling.processors import make_generator
+
+
+@dataclass(frozen=True)
+class DllmResult:
+    """What one diffusion request produced."""
+
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS) or "length"
+    nfe: int  # denoising forwards
+    commits: int  # block commit forwards (the exact KV cache's extra passes)
+    steps_per_block: list[int] = field(default_factory=list)
+    total_s: float = 0.0
+
+    @property
+    def tpf(self) -> float:
+        """Tokens per denoising forward."""
+        return len(self.token_ids) / self.nfe if self.nfe else 0.0
+
+    def to_json(self) -> dict:
+        """The `--json` fields of a diffusion generation."""
+        return {
+            "token_ids": self.token_ids,
+            "num_new_tokens": len(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "nfe": self.nfe,
+            "commits": self.commits,
+            "tpf": round(self.tpf, 4),
+            "steps_per_block": self.steps_per_block,
+            "total_s": round(self.total_s, 6),
+        }
+
+
+def check_sampler(model: Denoiser, cfg: DllmConfig) -> None:
+    """A one-line error when the sampler cannot drive this model."""
+    if cfg.sampler in MASK_SAMPLERS and model.mask_token_id is None:
+        raise InvalidParameterError(
+            f"sampler '{cfg.sampler.value}' needs a mask token; this model uses --sampler renoise"
+        )
+    if cfg.sampler is SamplerKind.RENOISE and model.mask_token_id is not None:
+        raise InvalidParameterError("--sampler renoise is for uniform-state models (DiffusionGemma)")
+
+
+def diffusion_generate(
+    model: Denoiser, prompt_ids: list[int], cfg: DllmConfig, eos_token_ids: set[int] | frozenset[int] = frozenset()
+) -> DllmResult:
+    """Decode up to cfg.max_new_tokens after the prompt, block by block (batch of one request)."""
+    check_sampler(model, cfg)
+    start = time.perf_counter()
+    generator = make_generator(cfg.seed)
+    block = cfg.block_size or model.default_block_size
+    session = model.session(torch.tensor([prompt_ids]), cfg.cache)
+    out: list[int] = []
+    nfe = commits = 0
+    steps_per_block: list[int] = []
+    finish = "length"
+    last_block: list[int] = []
+    for _ in range(math.ceil(cfg.max_new_tokens / block)):
+        if last_block:
+            session.commit(torch.tensor([last_block]))
+            commits += 1
+        if cfg.sampler is SamplerKind.RENOISE:
+            result, steps = _renoise_block(session, model, block, cfg, generator)
+        else:
+            result, steps = _mask_block(session, model, block, cfg, generator)
+        nfe += steps
+        steps_per_block.append(steps)
+        last_block = result
+        room = cfg.max_new_tokens - len(out)
+        for tok in result[:room]:
+            out.append(tok)
+            if tok in eos_token_ids:
+                finish = "stop"
+                break
+        if finish == "stop" or len(out) >= cfg.max_new_tokens:
+            break
+    return DllmResult(out, finish, nfe, commits, steps_per_block, time.perf_counter() - start)
+
+
+def _mask_block(session, model: Denoiser, block: int, cfg: DllmConfig, generator) -> tuple[list[int], int]:
+    """Fill one all-MASK canvas; every step reveals >= 1 token, so at most `block` steps (or cfg.steps)."""
+    mask_id = model.mask_token_id
+    assert mask_id is not None
+    rule = make_rule(cfg)
+    canvas = torch.full((1, block), mask_id)
+    steps_cap = cfg.steps or block
+    schedule = transfer_schedule(block, steps_cap) if cfg.sampler is SamplerKind.LOW_CONFIDENCE else None
+    steps = 0
+    while bool((canvas == mask_id).any()):
+        logits = session.denoise(canvas, None)  # [1, L, V]
+        tokens, conf, ent = propose(logits, cfg.temperature, mask_id, generator)
+        masked = canvas == mask_id
+        k = torch.tensor([schedule[steps] if schedule and steps < len(schedule) else block])
+        capped = schedule is None and steps + 1 >= steps_cap  # the step cap: decide everything left
+        reveal = masked if capped else rule(conf, masked, ent, k)
+        canvas = torch.where(reveal, tokens, canvas)
+        steps += 1
+    return canvas[0].tolist(), steps
+
+
+def _renoise_block(session, model: Denoiser, block: int, cfg: DllmConfig, generator) -> tuple[list[int], int]:
+    """Denoise one uniform-random canvas until stable and confident, or N steps; emit its argmax."""
+    n = cfg.steps or 48
+    state = init_state(1, block, model.vocab_size, cfg.stability, generator)
+    steps = 0
+    for cur_step in range(n, 0, -1):
+        logits = session.denoise(state.canvas, state.self_cond)
+        renoise_step(state, logits, cur_step, cfg, generator)
+        steps += 1
+        if bool(state.done.all()):
+            break
+    return state.argmax[0].tolist(), steps
