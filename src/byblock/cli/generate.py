@@ -17,7 +17,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt (a user turn; --no-chat sends it raw)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, checkpoint dir, .gguf or hub id")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights dtype")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None, help="default 256 (diffusion models: their answer length if set)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 disables")
@@ -43,17 +45,37 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action="store_true", help="dflash/ddtree: size each round from measured costs")
     parser.add_argument("--highlight", action="store_true", help="colour tokens that came from accepted drafts")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow hub checkpoints to run code")
+    d = parser.add_argument_group("diffusion models (DiffusionGemma, byblock_dllm.json checkpoints)")
+    d.add_argument(
+        "--sampler",
+        default=None,
+        choices=["low-confidence", "threshold", "factor", "entropy", "renoise"],
+        help="diffusion sampler (default: renoise for DiffusionGemma, threshold for mask models)",
+    )
+    d.add_argument("--steps", type=int, default=None, help="denoising steps per block (cap; exact for low-confidence)")
+    d.add_argument("--threshold", type=float, default=0.9, help="threshold sampler: confidence τ")
+    d.add_argument("--factor", type=float, default=1.0, help="factor sampler: f in 1 - f/(n+1)")
+    d.add_argument("--entropy-bound", type=float, default=0.1, help="entropy / renoise samplers: γ")
+    d.add_argument("--t-min", type=float, default=0.4, help="renoise: final temperature")
+    d.add_argument("--t-max", type=float, default=0.8, help="renoise: first temperature")
+    d.add_argument("--cache", default="exact", choices=["exact", "none"], help="block KV cache, or recompute")
 
 
 def run(args: argparse.Namespace) -> int:
     """Load, generate, print."""
+    from byblock.dllm.loading import is_dllm_checkpoint
+
+    if args.sampler is not None or is_dllm_checkpoint(args.model):
+        from byblock.cli.generate_dllm import run_dllm
+
+        return run_dllm(args)
     from byblock.drafters import DrafterSpec, build_drafter
     from byblock.engine.api import stream
     from byblock.models.loading import load_model
     from byblock.sampling.params import SamplingParams
 
     params = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=args.max_new_tokens or 256,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,

@@ -29,12 +29,19 @@ class Stage(Enum):
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of `byblock train`."""
+    """`byblock train METHOD`: one sub-parser per method (dflash and domino share their flags)."""
+    from byblock.cli import train_dllm
+
+    subs = parser.add_subparsers(dest="method", metavar="METHOD", required=True, parser_class=type(parser))
+    for name, text in (("dflash", "the DFlash drafter"), ("domino", "a Domino correction head on a DFlash drafter")):
+        add_dflash_args(subs.add_parser(name, help=text, description=text))
+    train_dllm.add_args(subs.add_parser("dllm", help=train_dllm.HELP, description=train_dllm.HELP))
+
+
+def add_dflash_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `byblock train dflash|domino`."""
     from byblock.training.dflash_train import TrainConfig
 
-    parser.add_argument(
-        "method", choices=["dflash", "domino"], help="dflash: the drafter; domino: a correction head on a DFlash one"
-    )
     parser.add_argument("--target", default=DEFAULT_MODEL, help="the target model the drafter serves")
     parser.add_argument("--prompts", help="training prompts (JSONL with a 'prompt' field); never the eval sets")
     parser.add_argument("--out", required=True, help="work directory (regen/, train/, export/ inside)")
@@ -73,6 +80,10 @@ def _logging(path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the requested stages in order."""
+    if args.method == "dllm":
+        from byblock.cli import train_dllm
+
+        return train_dllm.run(args)
     from byblock.errors import ByblockError
     from byblock.training.dflash_train import TrainConfig
     from byblock.training.regenerate import RegenConfig, build_target_layer_ids
