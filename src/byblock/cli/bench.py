@@ -39,6 +39,53 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--update-results", default=None, help="RESULTS.md to update (with --section)")
     parser.add_argument("--section", default=None, help="section name inside --update-results")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    d = parser.add_argument_group("diffusion models (when --model is a diffusion checkpoint)")
+    d.add_argument("--ar-model", default=None, help="the same-size AR model to compare with (e.g. OUT/export-ar)")
+    d.add_argument("--puzzles", default=None, help="held-out puzzles JSONL (default: the model's OUT/data/test.jsonl)")
+
+
+DLLM_SWEEP = (
+    "threshold@0.5,threshold@0.7,threshold@0.9,threshold@0.99,factor@0.5,factor@1,factor@2,factor@4,"
+    "entropy@0.05,entropy@0.3,entropy@1,entropy@3,low-confidence@36,low-confidence@12,low-confidence@6"
+)
+
+
+def run_dllm_bench(args: argparse.Namespace) -> int:
+    """Accuracy-vs-TPF frontier of every sampler setting on held-out puzzles, the AR twin, the roofline."""
+    from byblock.bench.dllm import DllmMethod, load_puzzles, markdown, plot_frontier, run_frontier
+    from byblock.bench.report import replace_section
+    from byblock.dllm.config import DllmConfig
+    from byblock.errors import ByblockError
+
+    if bool(args.update_results) != bool(args.section):
+        raise ByblockError("--update-results and --section go together")
+    mdm = Path(args.model)
+    methods_text = DLLM_SWEEP if args.methods == "ar,ngram,dflash" else args.methods
+    base = DllmConfig(seed=args.seed, temperature=args.temperature)
+    methods = [DllmMethod.parse(m.strip(), base) for m in methods_text.split(",") if m.strip()]
+    puzzles = load_puzzles(Path(args.puzzles) if args.puzzles else mdm.parent / "data" / "test.jsonl", args.limit)
+
+    def progress(name: str, row: dict) -> None:
+        if not args.quiet:
+            ms = row["s_per_puzzle"] * 1e3
+            sys.stderr.write(f"[{name}] accuracy {row['accuracy']:.1%}, TPF {row['tpf']:.2f}, {ms:.1f} ms/puzzle\n")
+
+    report = run_frontier(mdm, Path(args.ar_model) if args.ar_model else None, puzzles, methods, progress)
+    report["command"] = "byblock bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    report["date"] = datetime.date.today().isoformat()
+    out_dir = Path(args.out or f"bench-out/{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    table = markdown(report)
+    (out_dir / "report.md").write_text(table)
+    if not args.no_plots:
+        plot_frontier(report, out_dir / "frontier.png")
+    if args.update_results:
+        body = f"Measured {report['date']}, `{report['command']}`.\n\n{table}"
+        replace_section(Path(args.update_results), args.section, body)
+    print(table, end="")
+    print(json.dumps({"report": str(out_dir / "report.json")}))
+    return 0
 
 
 def load_datasets(spec: str, dev_path: str | None, limit: int) -> dict:
@@ -60,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
     """Build every method once, run the interleaved loop, write the reports."""
     from tqdm import tqdm
 
+    from byblock.dllm.loading import is_dllm_checkpoint
+
+    if is_dllm_checkpoint(args.model):
+        return run_dllm_bench(args)
     from byblock.bench.hardware import describe_machine
     from byblock.bench.methods import Engine, MethodRunner, MethodSpec
     from byblock.bench.report import terminal_table, update_results, write_all
