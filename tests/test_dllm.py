@@ -135,3 +135,22 @@ def test_sampler_model_mismatch_is_a_clear_error(gemma):
     hf = make_hf_model("llama")
     with pytest.raises(InvalidParameterError, match="uniform-state"):
         diffusion_generate(MaskDenoiser(hf, 319, 4), [2, 3], DllmConfig(sampler=SamplerKind.RENOISE))
+
+
+@pytest.mark.parametrize("sampler", [s for s in SamplerKind if s is not SamplerKind.RENOISE])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_request_decodes_the_same_alone_and_in_a_padded_batch(arch, sampler):
+    from byblock.dllm.batch import diffusion_generate_batch
+
+    hf = make_hf_model(arch)
+    model = MaskDenoiser(hf, mask_token_id=hf.config.vocab_size - 1, block_size=4)
+    prompts = [[5, 9, 17, 33, 2, 8], [40, 41], [7, 7, 8, 9, 10, 11, 12, 13, 14]]
+    seeds = [3, 4, 5]
+    cfg = DllmConfig(sampler=sampler, max_new_tokens=10, threshold=0.5, temperature=0.7)
+    batch = diffusion_generate_batch(model, prompts, cfg, seeds)
+    assert len({tuple(r.token_ids) for r in batch}) == 3  # rows really differ
+    assert max(max(r.steps_per_block) for r in batch) > 1  # and blocks really take several steps
+    for p, s, got in zip(prompts, seeds, batch, strict=True):
+        alone = diffusion_generate(model, p, DllmConfig(**{**cfg.__dict__, "seed": s}))
+        assert got.token_ids == alone.token_ids
+        assert got.steps_per_block == alone.steps_per_block
