@@ -102,10 +102,11 @@ def diffusion_generate_batch(
     reasons = ["length"] * b
     steps_cap = cfg.steps or block
     schedule = transfer_schedule(block, steps_cap) if cfg.sampler is SamplerKind.LOW_CONFIDENCE else None
+    canvas = torch.full((b, block), mask_id)
     for blk in range(math.ceil(cfg.max_new_tokens / block)):
         if blk:
             session.commit(canvas)
-        canvas = torch.full((b, block), mask_id)
+            canvas = torch.full((b, block), mask_id)
         steps = [0] * b
         while bool((canvas == mask_id).any()):
             logits = session.denoise(canvas)  # [B, L, V], one forward for every row
