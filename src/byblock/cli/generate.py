@@ -45,20 +45,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action="store_true", help="dflash/ddtree: size each round from measured costs")
     parser.add_argument("--highlight", action="store_true", help="colour tokens that came from accepted drafts")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow hub checkpoints to run code")
-    d = parser.add_argument_group("diffusion models (DiffusionGemma, byblock_dllm.json checkpoints)")
-    d.add_argument(
-        "--sampler",
-        default=None,
-        choices=["low-confidence", "threshold", "factor", "entropy", "renoise"],
-        help="diffusion sampler (default: renoise for DiffusionGemma, threshold for mask models)",
-    )
-    d.add_argument("--steps", type=int, default=None, help="denoising steps per block (cap; exact for low-confidence)")
-    d.add_argument("--threshold", type=float, default=0.9, help="threshold sampler: confidence τ")
-    d.add_argument("--factor", type=float, default=1.0, help="factor sampler: f in 1 - f/(n+1)")
-    d.add_argument("--entropy-bound", type=float, default=0.1, help="entropy / renoise samplers: γ")
-    d.add_argument("--t-min", type=float, default=0.4, help="renoise: final temperature")
-    d.add_argument("--t-max", type=float, default=0.8, help="renoise: first temperature")
-    d.add_argument("--cache", default="exact", choices=["exact", "none"], help="block KV cache, or recompute")
+    from byblock.cli.generate_dllm import add_dllm_args
+
+    add_dllm_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,6 +32,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens-limit", type=int, default=4096, help="larger max_tokens is a 400 error")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--trust-remote-code", action="store_true", help="allow hub checkpoints to run code")
+    from byblock.cli.generate_dllm import add_dllm_args
+
+    add_dllm_args(parser)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -50,22 +53,18 @@ def run(args: argparse.Namespace) -> int:
     """Load, build the app, serve until interrupted."""
     import uvicorn
 
-    from byblock.drafters import DrafterSpec, build_drafter
-    from byblock.engine.core import SerialEngineCore
-    from byblock.models.loading import load_model
     from byblock.server.app import ServerConfig, create_app
 
     if args.max_tokens < 1 or args.max_tokens_limit < args.max_tokens:
         raise ByblockError("need 1 <= --max-tokens <= --max-tokens-limit")
     _check_port(args.host, args.port)
-    knobs = {"block_size": args.block_size, "tree_budget": args.tree_budget, "num_candidates": args.num_candidates}
-    specs = {text: DrafterSpec.parse(text, **knobs) for text in dict.fromkeys(args.drafter)}
     logging.basicConfig(level=args.log_level.upper(), format="%(message)s", stream=sys.stderr)
-    model = load_model(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
-    drafters = {text: build_drafter(spec, model, dtype=args.dtype) for text, spec in specs.items()}
-    drafters.pop("none", None)
-    core = SerialEngineCore(model, drafters)
-    default = args.drafter[0] if args.drafter else "none"
+    from byblock.dllm.loading import is_dllm_checkpoint
+
+    if is_dllm_checkpoint(args.model):
+        model, core, default = _dllm_core(args)
+    else:
+        model, core, default = _ar_core(args)
     config = ServerConfig(
         model_name=args.served_model_name or args.model,
         default_drafter=default,
@@ -79,3 +78,34 @@ def run(args: argparse.Namespace) -> int:
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
+
+
+def _dllm_core(args: argparse.Namespace):
+    """A diffusion model behind the same engine contract (the sampler flags set its decoding)."""
+    from byblock.cli.generate_dllm import dllm_config
+    from byblock.dllm.loading import load_dllm
+    from byblock.engine.dllm_core import DllmEngineCore
+    from byblock.models.adapter import TargetModel
+    from byblock.models.loading import DTYPES
+
+    if args.drafter:
+        raise ByblockError("--drafter is for autoregressive models; diffusion models take --sampler")
+    loaded = load_dllm(args.model, dtype=DTYPES[args.dtype])
+    cfg = dllm_config(args, loaded, max_new_tokens=args.max_tokens)
+    tokenizing = TargetModel(loaded.denoiser.hf, loaded.tokenizer, name=args.model)  # the handlers' tokenizer view
+    return tokenizing, DllmEngineCore(loaded.denoiser, loaded.tokenizer, loaded.eos_token_ids, cfg), "none"
+
+
+def _ar_core(args: argparse.Namespace):
+    """An autoregressive model with its drafters."""
+    from byblock.drafters import DrafterSpec, build_drafter
+    from byblock.engine.core import SerialEngineCore
+    from byblock.models.loading import load_model
+
+    knobs = {"block_size": args.block_size, "tree_budget": args.tree_budget, "num_candidates": args.num_candidates}
+    specs = {text: DrafterSpec.parse(text, **knobs) for text in dict.fromkeys(args.drafter)}
+    model = load_model(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    drafters = {text: build_drafter(spec, model, dtype=args.dtype) for text, spec in specs.items()}
+    drafters.pop("none", None)
+    default = args.drafter[0] if args.drafter else "none"
+    return model, SerialEngineCore(model, drafters), default

@@ -13,8 +13,8 @@ ratio of a canvas forward to an AR step to be faster than AR decoding.
 
 from __future__ import annotations
 
-import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -68,40 +68,47 @@ def check_sampler(model: Denoiser, cfg: DllmConfig) -> None:
         raise InvalidParameterError("--sampler renoise is for uniform-state models (DiffusionGemma)")
 
 
+def iter_blocks(model: Denoiser, prompt_ids: list[int], cfg: DllmConfig) -> Iterator[tuple[list[int], int]]:
+    """Yield (block tokens, denoising steps) block after block, forever; the caller stops it (EOS, length).
+
+    Each block is committed to the session only when the next one is asked for, so the last block of a
+    request never costs a commit pass."""
+    check_sampler(model, cfg)
+    generator = make_generator(cfg.seed)
+    block = cfg.block_size or model.default_block_size
+    session = model.session(torch.tensor([prompt_ids]), cfg.cache)
+    last_block: list[int] = []
+    while True:
+        if last_block:
+            session.commit(torch.tensor([last_block]))
+        if cfg.sampler is SamplerKind.RENOISE:
+            last_block, steps = _renoise_block(session, model, block, cfg, generator)
+        else:
+            last_block, steps = _mask_block(session, model, block, cfg, generator)
+        yield last_block, steps
+
+
 def diffusion_generate(
     model: Denoiser, prompt_ids: list[int], cfg: DllmConfig, eos_token_ids: set[int] | frozenset[int] = frozenset()
 ) -> DllmResult:
     """Decode up to cfg.max_new_tokens after the prompt, block by block (batch of one request)."""
-    check_sampler(model, cfg)
     start = time.perf_counter()
-    generator = make_generator(cfg.seed)
-    block = cfg.block_size or model.default_block_size
-    session = model.session(torch.tensor([prompt_ids]), cfg.cache)
     out: list[int] = []
-    nfe = commits = 0
     steps_per_block: list[int] = []
     finish = "length"
-    last_block: list[int] = []
-    for _ in range(math.ceil(cfg.max_new_tokens / block)):
-        if last_block:
-            session.commit(torch.tensor([last_block]))
-            commits += 1
-        if cfg.sampler is SamplerKind.RENOISE:
-            result, steps = _renoise_block(session, model, block, cfg, generator)
-        else:
-            result, steps = _mask_block(session, model, block, cfg, generator)
-        nfe += steps
+    blocks = iter_blocks(model, prompt_ids, cfg)
+    for result, steps in blocks:
         steps_per_block.append(steps)
-        last_block = result
-        room = cfg.max_new_tokens - len(out)
-        for tok in result[:room]:
+        for tok in result[: cfg.max_new_tokens - len(out)]:
             out.append(tok)
             if tok in eos_token_ids:
                 finish = "stop"
                 break
         if finish == "stop" or len(out) >= cfg.max_new_tokens:
             break
-    return DllmResult(out, finish, nfe, commits, steps_per_block, time.perf_counter() - start)
+    blocks.close()
+    nfe = sum(steps_per_block)
+    return DllmResult(out, finish, nfe, len(steps_per_block) - 1, steps_per_block, time.perf_counter() - start)
 
 
 def _mask_block(session, model: Denoiser, block: int, cfg: DllmConfig, generator) -> tuple[list[int], int]:
