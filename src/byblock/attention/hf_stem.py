@@ -1,0 +1,102 @@
+"""Stem inside any transformers decoder, through the official custom-attention hooks.
+
+`enable_stem(model, cfg)` registers the attention function "byblock_stem" in transformers'
+AttentionInterface **and** the SDPA mask builder under the same name in AttentionMaskInterface (without the
+latter, transformers hands custom attention `attention_mask=None` and padding is lost — the trap of the
+reference note §5), stores the config and a density log on the model's config (per model, no globals) and
+switches the model to it. Prefill of a long enough prompt runs sparse on global-attention layers from
+`dense_layers` on; decode steps, cached continuations, short prompts and sliding-window layers call SDPA.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from byblock.attention.stem import (
+    DensityLog,
+    StemConfig,
+    block_sparse_attention,
+    causal_density,
+    oam_block_logits,
+    select_blocks,
+    tpd_budgets,
+)
+
+log = logging.getLogger(__name__)
+
+NAME = "byblock_stem"
+WARN_SPARSITY = 0.85  # seed 000's pitfalls table: beyond this, retrieval quality falls off
+
+
+def _sdpa(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def stem_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention signature: query [B, H, Lq, D], key/value [B, Hkv, Lk, D] -> ([B, Lq, H, D], None)."""
+    cfg: StemConfig | None = getattr(module.config, "byblock_stem", None)
+    density: DensityLog | None = getattr(module.config, "byblock_stem_log", None)
+    _, h, lq, d = query.shape
+    lk = key.shape[2]
+    layer = getattr(module, "layer_idx", 0)
+    sparse = (
+        cfg is not None
+        and lq == lk  # a first prefill: query i aligns with key i
+        and lq >= max(cfg.min_tokens, 2 * cfg.block_size)
+        and layer >= cfg.dense_layers
+        and getattr(module, "sliding_window", None) is None
+    )
+    if not sparse:
+        if cfg is not None and density is not None and lq == lk and lq > 1:
+            density.per_layer[layer] = 1.0
+        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    scale = scaling if scaling is not None else d**-0.5
+    groups = h // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    bs = cfg.block_size
+    main = (lq // bs) * bs
+    key_valid = None
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        key_valid = attention_mask[:, 0].any(dim=-2)  # [B, Lk]: keys some query may see (padding excluded)
+    q, k, v = query[:, :, :main], key[:, :, :main], value[:, :, :main]
+    if key_valid is not None:
+        k = k.masked_fill(~key_valid[:, None, :main, None], 0.0)  # padded keys score nothing in the estimate
+    logits = oam_block_logits(q, k, v, cfg, scale)
+    mask = select_blocks(logits, tpd_budgets(main // bs, cfg), cfg)
+    if density is not None:
+        density.per_layer[layer] = causal_density(mask)
+        density.kernel_layers.add(layer)
+    out = block_sparse_attention(q, k, v, mask, bs, scale, key_valid=None if key_valid is None else key_valid[:, :main])
+    if main < lq:  # the last partial block of queries attends densely (a few rows)
+        tail_mask = None if attention_mask is None else attention_mask[:, :, main:, :]
+        if tail_mask is None:
+            tail_mask = torch.ones(lq - main, lk, dtype=torch.bool).tril(diagonal=main)[None, None]
+        tail = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, main:], key, value, attn_mask=tail_mask, scale=scale
+        )
+        out = torch.cat([out, tail], dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def enable_stem(hf_model: torch.nn.Module, cfg: StemConfig) -> DensityLog:
+    """Switch a loaded transformers model to Stem prefill; returns the per-layer density log it fills."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, stem_attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    if cfg.sparsity > WARN_SPARSITY:
+        log.warning(
+            "sparsity %.2f > %.2f: long-context retrieval quality usually drops here", cfg.sparsity, WARN_SPARSITY
+        )
+    density = DensityLog()
+    for conf in {id(c): c for c in (hf_model.config, hf_model.config.get_text_config())}.values():
+        conf.byblock_stem = cfg
+        conf.byblock_stem_log = density
+    hf_model.set_attn_implementation(NAME)
+    return density

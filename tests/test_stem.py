@@ -1,0 +1,123 @@
+"""Stem sparse prefill: the gather kernel against dense masked attention, full budget against SDPA,
+the estimator against its definition, and the transformers integration on llama / qwen3 / gemma3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import make_hf_model
+
+from byblock.attention.hf_stem import enable_stem
+from byblock.attention.stem import (
+    Decay,
+    StemConfig,
+    block_sparse_attention,
+    causal_density,
+    dense_reference,
+    oam_block_logits,
+    select_blocks,
+    tpd_budgets,
+)
+
+BS = 16
+
+
+def qkv(seed: int, b: int = 2, h: int = 3, length: int = 128, d: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, length, d, generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("padded", [False, True])
+def test_gather_kernel_equals_dense_masked_attention(seed, padded):
+    q, k, v = qkv(seed)
+    n = q.shape[2] // BS
+    g = torch.Generator().manual_seed(100 + seed)
+    mask = (torch.rand(2, 3, n, n, generator=g) < 0.4) | torch.eye(n, dtype=torch.bool)
+    mask &= torch.ones(n, n, dtype=torch.bool).tril()
+    valid = None
+    if padded:
+        valid = torch.ones(2, q.shape[2], dtype=torch.bool)
+        valid[1, :21] = False  # left padding of row 1
+    got = block_sparse_attention(q, k, v, mask, BS, 0.35, chunk=3, key_valid=valid)
+    ref = dense_reference(q, k, v, mask, BS, 0.35, key_valid=valid)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_full_budget_is_dense_causal_attention():
+    q, k, v = qkv(7)
+    cfg = StemConfig(sparsity=0.0, block_size=BS, stride=4)
+    mask = select_blocks(oam_block_logits(q, k, v, cfg, 0.35), tpd_budgets(q.shape[2] // BS, cfg), cfg)
+    assert causal_density(mask) == 1.0
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.35)
+    torch.testing.assert_close(block_sparse_attention(q, k, v, mask, BS, 0.35), sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_antidiagonal_estimate_matches_its_definition():
+    q, k, v = qkv(3, b=1, h=1, length=32, d=4)
+    cfg = StemConfig(block_size=8, stride=4, oam_beta=0.0)
+    got = oam_block_logits(q, k, v, cfg, scale=1.0)
+    s, per, n = 4, 2, 4
+    est = torch.zeros(8, 8)
+    for i in range(8):
+        for j in range(8):
+            est[i, j] = sum(float(q[0, 0, s * i + s - 1 - t] @ k[0, 0, s * j + t]) for t in range(s)) / s
+    want = est.view(n, per, n, per).mean(dim=(1, 3))
+    want = want.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(got[0, 0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_value_bonus_raises_blocks_with_large_values():
+    q, k, v = qkv(4, b=1, h=1, length=64, d=8)
+    v[:, :, 16:32] *= 50.0  # key block 1 carries large values
+    plain = oam_block_logits(q, k, v, StemConfig(block_size=BS, stride=4, oam_beta=0.0), 1.0)
+    aware = oam_block_logits(q, k, v, StemConfig(block_size=BS, stride=4, oam_beta=0.5), 1.0)
+    bonus = (aware - plain)[0, 0, 3]
+    assert bonus[1] > 0 and bonus[1] == bonus.max()
+
+
+@pytest.mark.parametrize("decay", list(Decay))
+def test_tpd_budgets(decay):
+    cfg = StemConfig(sparsity=0.75, alpha=0.5, decay=decay)
+    b = tpd_budgets(64, cfg)
+    k = 16
+    assert (b[:k] == k).all() and (b[k:] <= k).all() and (b[1:] <= b[:-1]).all()
+    assert b[-1] == k // 2
+    assert (tpd_budgets(4, cfg) == torch.tensor([3, 3, 3, 3])).all()  # never below sinks + local
+
+
+def hf_logits(model, ids, mask=None):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_transformers_model_at_full_budget_equals_sdpa(arch):
+    ids = torch.randint(3, 300, (2, 200), generator=torch.Generator().manual_seed(0))
+    pad = torch.ones_like(ids)
+    pad[1, :13] = 0  # left padding in row 1
+    dense = make_hf_model(arch, max_position_embeddings=512)
+    ref = hf_logits(dense, ids, pad)
+    sparse = make_hf_model(arch, max_position_embeddings=512)
+    density = enable_stem(sparse, StemConfig(sparsity=0.0, block_size=BS, stride=4, min_tokens=64, dense_layers=0))
+    got = hf_logits(sparse, ids, pad)
+    real = pad.bool()
+    torch.testing.assert_close(got[real], ref[real], rtol=1e-4, atol=1e-4)
+    assert density.per_layer and all(v == 1.0 for v in density.per_layer.values())
+    assert density.kernel_layers  # the block-sparse kernel really ran (with the padding mask)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_sparse_prefill_runs_sparse_only_where_it_should(arch):
+    ids = torch.randint(3, 300, (1, 256), generator=torch.Generator().manual_seed(1))
+    model = make_hf_model(arch, max_position_embeddings=512)
+    cfg = StemConfig(sparsity=0.75, block_size=BS, stride=4, min_tokens=64, dense_layers=1)
+    density = enable_stem(model, cfg)
+    out = hf_logits(model, ids)
+    assert torch.isfinite(out).all()
+    layers = model.config.num_hidden_layers
+    sparse_layers = [i for i, d in density.per_layer.items() if d < 1.0]
+    assert 0 not in sparse_layers and sparse_layers  # dense_layers stay dense, later global layers go sparse
+    if arch == "gemma3":  # sliding-window layers stay as they are; only the global layer (3) is sparse
+        assert sparse_layers == [layers - 1]
+    assert 0.2 < density.mean() < 0.7
