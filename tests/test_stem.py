@@ -9,6 +9,7 @@ from tiny import make_hf_model
 
 from byblock.attention.hf_stem import enable_stem
 from byblock.attention.stem import (
+    Backend,
     Decay,
     StemConfig,
     block_sparse_attention,
@@ -41,6 +42,20 @@ def test_gather_kernel_equals_dense_masked_attention(seed, padded):
         valid[1, :21] = False  # left padding of row 1
     got = block_sparse_attention(q, k, v, mask, BS, 0.35, chunk=3, key_valid=valid)
     ref = dense_reference(q, k, v, mask, BS, 0.35, key_valid=valid)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_flex_backend_equals_dense_masked_attention():
+    from byblock.attention.stem import DensityLog, block_sparse_attention_flex
+
+    q, k, v = qkv(11, length=256)
+    n = q.shape[2] // BS
+    g = torch.Generator().manual_seed(5)
+    mask = (torch.rand(2, 3, n, n, generator=g) < 0.3) | torch.eye(n, dtype=torch.bool)
+    mask &= torch.ones(n, n, dtype=torch.bool).tril()
+    got = block_sparse_attention_flex(q, k, v, mask, BS, 0.35, DensityLog())
+    ref = dense_reference(q, k, v, mask, BS, 0.35)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -99,7 +114,8 @@ def test_transformers_model_at_full_budget_equals_sdpa(arch):
     dense = make_hf_model(arch, max_position_embeddings=512)
     ref = hf_logits(dense, ids, pad)
     sparse = make_hf_model(arch, max_position_embeddings=512)
-    density = enable_stem(sparse, StemConfig(sparsity=0.0, block_size=BS, stride=4, min_tokens=64, dense_layers=0))
+    cfg = StemConfig(sparsity=0.0, block_size=BS, stride=4, min_tokens=64, dense_layers=0, backend=Backend.GATHER)
+    density = enable_stem(sparse, cfg)
     got = hf_logits(sparse, ids, pad)
     real = pad.bool()
     torch.testing.assert_close(got[real], ref[real], rtol=1e-4, atol=1e-4)
@@ -111,7 +127,7 @@ def test_transformers_model_at_full_budget_equals_sdpa(arch):
 def test_sparse_prefill_runs_sparse_only_where_it_should(arch):
     ids = torch.randint(3, 300, (1, 256), generator=torch.Generator().manual_seed(1))
     model = make_hf_model(arch, max_position_embeddings=512)
-    cfg = StemConfig(sparsity=0.75, block_size=BS, stride=4, min_tokens=64, dense_layers=1)
+    cfg = StemConfig(sparsity=0.75, block_size=BS, stride=4, min_tokens=64, dense_layers=1, backend=Backend.GATHER)
     density = enable_stem(model, cfg)
     out = hf_logits(model, ids)
     assert torch.isfinite(out).all()
@@ -121,3 +137,13 @@ def test_sparse_prefill_runs_sparse_only_where_it_should(arch):
     if arch == "gemma3":  # sliding-window layers stay as they are; only the global layer (3) is sparse
         assert sparse_layers == [layers - 1]
     assert 0.2 < density.mean() < 0.7
+
+
+@pytest.mark.slow
+def test_flex_backend_in_a_transformers_model_at_full_budget():
+    ids = torch.randint(3, 300, (1, 192), generator=torch.Generator().manual_seed(2))
+    ref = hf_logits(make_hf_model("llama", max_position_embeddings=512), ids)
+    sparse = make_hf_model("llama", max_position_embeddings=512)
+    density = enable_stem(sparse, StemConfig(sparsity=0.0, block_size=BS, stride=4, min_tokens=64, dense_layers=0))
+    torch.testing.assert_close(hf_logits(sparse, ids), ref, rtol=1e-4, atol=1e-4)
+    assert density.kernel_layers == {0, 1} and density.flex is not None

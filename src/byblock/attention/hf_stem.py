@@ -15,9 +15,11 @@ import logging
 import torch
 
 from byblock.attention.stem import (
+    Backend,
     DensityLog,
     StemConfig,
     block_sparse_attention,
+    block_sparse_attention_flex,
     causal_density,
     oam_block_logits,
     select_blocks,
@@ -71,7 +73,11 @@ def stem_attention_forward(module, query, key, value, attention_mask, scaling=No
     if density is not None:
         density.per_layer[layer] = causal_density(mask)
         density.kernel_layers.add(layer)
-    out = block_sparse_attention(q, k, v, mask, bs, scale, key_valid=None if key_valid is None else key_valid[:, :main])
+    valid = None if key_valid is None or bool(key_valid.all()) else key_valid[:, :main]
+    if cfg.backend is Backend.FLEX and valid is None:
+        out = block_sparse_attention_flex(q, k, v, mask, bs, scale, density if density is not None else DensityLog())
+    else:  # the gather kernel also handles padding
+        out = block_sparse_attention(q, k, v, mask, bs, scale, key_valid=valid)
     if main < lq:  # the last partial block of queries attends densely (a few rows)
         tail_mask = None if attention_mask is None else attention_mask[:, :, main:, :]
         if tail_mask is None:

@@ -19,10 +19,18 @@ Reference: ../shared/reference/sparse_attention.md §1 (Tencent/AngelSlim stem t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
+
+
+class Backend(Enum):
+    """How the selected blocks are attended to."""
+
+    FLEX = "flex"  # torch flex_attention with a BlockMask (compiled; skips unselected blocks)
+    GATHER = "gather"  # gather the selected key blocks per query block (plain PyTorch, no compiler)
 
 
 class Decay(Enum):
@@ -40,12 +48,13 @@ class StemConfig:
     decay: Decay = Decay.LINEAR
     alpha: float = 0.7  # budget of the last query block as a fraction of the base budget
     oam_beta: float = 0.5  # weight of the value-norm bonus (0: attention estimate only)
-    block_size: int = 64
+    block_size: int = 128
     stride: int = 8
     sink_blocks: int = 1
     local_blocks: int = 2  # the diagonal block and the one before it
     dense_layers: int = 2  # the first layers stay dense
-    min_tokens: int = 1024  # shorter prompts stay dense
+    min_tokens: int = 2048  # shorter prompts stay dense
+    backend: Backend = Backend.FLEX
 
     def __post_init__(self) -> None:
         from byblock.errors import InvalidParameterError
@@ -66,6 +75,7 @@ class DensityLog:
 
     per_layer: dict[int, float] = field(default_factory=dict)
     kernel_layers: set[int] = field(default_factory=set)  # layers that ran the block-sparse kernel
+    flex: Callable | None = None  # the compiled flex_attention, built on first use (per model)
 
     def mean(self) -> float:
         """Mean over the layers that ran sparse."""
@@ -170,6 +180,46 @@ def block_sparse_attention(
         scores = scores.view(*scores.shape[:-1], width, bs).masked_fill(~ok, float("-inf")).flatten(-2)
         out[:, :, c0 : c0 + chunk] = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ vg
     return out.view(b, h, length, d)
+
+
+def block_sparse_attention_flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: torch.Tensor,
+    block_size: int,
+    scale: float,
+    log: DensityLog,
+) -> torch.Tensor:
+    """The same attention with torch's flex_attention: the block mask becomes a BlockMask (off-diagonal
+    selected blocks are "full", diagonal blocks "partial" with the causal mask_mod), so unselected blocks are
+    never computed. Compiled once per model (first call per shape compiles; the CPU build uses a C++ kernel).
+
+    Unpadded inputs only: a mask_mod that reads a padding tensor hits an inductor C++ codegen error in torch
+    2.13 ("kv_indices was not declared"), so padded batches take the gather kernel (hf_stem.py)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    if log.flex is None:
+        log.flex = torch.compile(flex_attention, dynamic=False)
+    n = block_mask.shape[-1]
+    length = q.shape[2]
+    diag = torch.eye(n, dtype=torch.bool)
+
+    def as_indices(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = sel.sum(-1).to(torch.int32)
+        order = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # selected first
+        return counts, order
+
+    part_n, part_i = as_indices(block_mask & diag)
+    full_n, full_i = as_indices(block_mask & ~diag)
+
+    def mask_mod(b, h, qi, kv):
+        return qi >= kv
+
+    bm = BlockMask.from_kv_blocks(
+        part_n, part_i, full_n, full_i, BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(length, length)
+    )
+    return log.flex(q, k, v, block_mask=bm, scale=scale)
 
 
 def dense_reference(

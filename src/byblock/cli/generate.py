@@ -45,6 +45,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action="store_true", help="dflash/ddtree: size each round from measured costs")
     parser.add_argument("--highlight", action="store_true", help="colour tokens that came from accepted drafts")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow hub checkpoints to run code")
+    s = parser.add_argument_group("long prompts (Stem sparse prefill)")
+    s.add_argument("--sparse", default="none", choices=["none", "stem"], help="sparse prefill for long prompts")
+    s.add_argument("--sparsity", type=float, default=0.75, help="stem: fraction of key blocks skipped (> 0.85 warns)")
+    s.add_argument("--tpd-decay", default="linear", choices=["linear", "exp"], help="stem: budget decay shape")
+    s.add_argument("--tpd-alpha", type=float, default=0.7, help="stem: last query block's budget / base budget")
+    s.add_argument("--oam-beta", type=float, default=0.5, help="stem: weight of the value-norm term")
+    s.add_argument("--sparse-block", type=int, default=128, help="stem: block size (tokens)")
+    s.add_argument("--sparse-min-tokens", type=int, default=2048, help="stem: shorter prompts stay dense")
+    s.add_argument("--sparse-backend", default="flex", choices=["flex", "gather"], help="stem: block-sparse kernel")
     from byblock.cli.generate_dllm import add_dllm_args
 
     add_dllm_args(parser)
@@ -81,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         adaptive=args.adaptive,
     )
     model = load_model(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    density = enable_sparse(model, args)
     drafter = build_drafter(spec, model, dtype=args.dtype)
     gen = stream(model, args.prompt, params, drafter=drafter, chat=not args.no_chat)
     out = sys.stdout
@@ -93,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     res = gen.result
     assert res is not None
     if args.json:
-        print(json.dumps(res.to_json()))
+        extra = {"stem_density": {str(k): round(v, 4) for k, v in sorted(density.per_layer.items())}} if density else {}
+        print(json.dumps({**res.to_json(), **extra}))
         return 0
     spec_part = ""
     if res.drafter != "none":
@@ -103,3 +114,24 @@ def run(args: argparse.Namespace) -> int:
         f"finish {res.finish_reason.value}{spec_part}]\n"
     )
     return 0
+
+
+def enable_sparse(model, args: argparse.Namespace):
+    """Switch the model to Stem prefill when --sparse stem; returns its density log (None when dense)."""
+    if args.sparse == "none":
+        return None
+    from byblock.attention.hf_stem import enable_stem
+    from byblock.attention.stem import Backend, Decay, StemConfig
+
+    cfg = StemConfig(
+        sparsity=args.sparsity,
+        decay=Decay(args.tpd_decay),
+        alpha=args.tpd_alpha,
+        oam_beta=args.oam_beta,
+        block_size=args.sparse_block,
+        min_tokens=args.sparse_min_tokens,
+        backend=Backend(args.sparse_backend),
+    )
+    if cfg.sparsity > 0.85:
+        sys.stderr.write(f"warning: --sparsity {cfg.sparsity} > 0.85: long-context retrieval quality usually drops\n")
+    return enable_stem(model.hf, cfg)
