@@ -39,6 +39,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--update-results", default=None, help="RESULTS.md to update (with --section)")
     parser.add_argument("--section", default=None, help="section name inside --update-results")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    from byblock.cli.sparse_args import add_sparse_args
+
+    add_sparse_args(parser)
     d = parser.add_argument_group("diffusion models (when --model is a diffusion checkpoint)")
     d.add_argument("--ar-model", default=None, help="the same-size AR model to compare with (e.g. OUT/export-ar)")
     d.add_argument("--puzzles", default=None, help="held-out puzzles JSONL (default: the model's OUT/data/test.jsonl)")
@@ -137,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
         raise ByblockError(f"--baseline '{args.baseline}' is not among --methods")
     datasets = load_datasets(args.dataset, args.dataset_path, args.limit)
     target = load_model(args.model, dtype=args.dtype)
+    from byblock.cli.sparse_args import enable_sparse
+
+    density = enable_sparse(target, args)
     hf_target = None
     if any(s.engine is not Engine.BYBLOCK for s in specs):
         hf_target = load_model(args.model, dtype=args.dtype, relayout=False)
@@ -161,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
             "seed": args.seed,
         },
         "baseline": args.baseline,
+        "sparse": args.sparse if density is None else f"stem (sparsity {args.sparsity}, {args.tpd_decay} TPD)",
         "reference": "ar",
         "methods": names,
         "method_sizes": {s.name: s.size for s in specs if s.size is not None},

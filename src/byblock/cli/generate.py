@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from byblock.cli.sparse_args import add_sparse_args, enable_sparse
 from byblock.models.registry import DEFAULT_MODEL
 
 DRAFT_STYLE = "\x1b[1;32m"  # accepted draft tokens: bold green
@@ -45,15 +46,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action="store_true", help="dflash/ddtree: size each round from measured costs")
     parser.add_argument("--highlight", action="store_true", help="colour tokens that came from accepted drafts")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow hub checkpoints to run code")
-    s = parser.add_argument_group("long prompts (Stem sparse prefill)")
-    s.add_argument("--sparse", default="none", choices=["none", "stem"], help="sparse prefill for long prompts")
-    s.add_argument("--sparsity", type=float, default=0.75, help="stem: fraction of key blocks skipped (> 0.85 warns)")
-    s.add_argument("--tpd-decay", default="linear", choices=["linear", "exp"], help="stem: budget decay shape")
-    s.add_argument("--tpd-alpha", type=float, default=0.7, help="stem: last query block's budget / base budget")
-    s.add_argument("--oam-beta", type=float, default=0.5, help="stem: weight of the value-norm term")
-    s.add_argument("--sparse-block", type=int, default=128, help="stem: block size (tokens)")
-    s.add_argument("--sparse-min-tokens", type=int, default=2048, help="stem: shorter prompts stay dense")
-    s.add_argument("--sparse-backend", default="flex", choices=["flex", "gather"], help="stem: block-sparse kernel")
+    add_sparse_args(parser)
     from byblock.cli.generate_dllm import add_dllm_args
 
     add_dllm_args(parser)
@@ -114,24 +107,3 @@ def run(args: argparse.Namespace) -> int:
         f"finish {res.finish_reason.value}{spec_part}]\n"
     )
     return 0
-
-
-def enable_sparse(model, args: argparse.Namespace):
-    """Switch the model to Stem prefill when --sparse stem; returns its density log (None when dense)."""
-    if args.sparse == "none":
-        return None
-    from byblock.attention.hf_stem import enable_stem
-    from byblock.attention.stem import Backend, Decay, StemConfig
-
-    cfg = StemConfig(
-        sparsity=args.sparsity,
-        decay=Decay(args.tpd_decay),
-        alpha=args.tpd_alpha,
-        oam_beta=args.oam_beta,
-        block_size=args.sparse_block,
-        min_tokens=args.sparse_min_tokens,
-        backend=Backend(args.sparse_backend),
-    )
-    if cfg.sparsity > 0.85:
-        sys.stderr.write(f"warning: --sparsity {cfg.sparsity} > 0.85: long-context retrieval quality usually drops\n")
-    return enable_stem(model.hf, cfg)

@@ -33,8 +33,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--trust-remote-code", action="store_true", help="allow hub checkpoints to run code")
     from byblock.cli.generate_dllm import add_dllm_args
+    from byblock.cli.sparse_args import add_sparse_args
 
     add_dllm_args(parser)
+    add_sparse_args(parser)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -105,6 +107,9 @@ def _ar_core(args: argparse.Namespace):
     knobs = {"block_size": args.block_size, "tree_budget": args.tree_budget, "num_candidates": args.num_candidates}
     specs = {text: DrafterSpec.parse(text, **knobs) for text in dict.fromkeys(args.drafter)}
     model = load_model(args.model, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    from byblock.cli.sparse_args import enable_sparse
+
+    enable_sparse(model, args)
     drafters = {text: build_drafter(spec, model, dtype=args.dtype) for text, spec in specs.items()}
     drafters.pop("none", None)
     default = args.drafter[0] if args.drafter else "none"

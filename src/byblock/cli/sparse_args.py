@@ -1,0 +1,42 @@
+"""Stem sparse-prefill flags shared by `generate`, `bench` and `serve`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_sparse_args(parser: argparse.ArgumentParser) -> None:
+    """--sparse stem and its knobs."""
+    s = parser.add_argument_group("long prompts (Stem sparse prefill)")
+    s.add_argument("--sparse", default="none", choices=["none", "stem"], help="sparse prefill for long prompts")
+    s.add_argument("--sparsity", type=float, default=0.75, help="stem: fraction of key blocks skipped (> 0.85 warns)")
+    s.add_argument("--tpd-decay", default="linear", choices=["linear", "exp"], help="stem: budget decay shape")
+    s.add_argument("--tpd-alpha", type=float, default=0.7, help="stem: last query block's budget / base budget")
+    s.add_argument("--oam-beta", type=float, default=0.5, help="stem: weight of the value-norm term")
+    s.add_argument("--sparse-block", type=int, default=128, help="stem: block size (tokens)")
+    s.add_argument("--sparse-min-tokens", type=int, default=2048, help="stem: shorter prompts stay dense")
+    s.add_argument("--sparse-dense-layers", type=int, default=2, help="stem: the first layers stay dense")
+    s.add_argument("--sparse-backend", default="flex", choices=["flex", "gather"], help="stem: block-sparse kernel")
+
+
+def enable_sparse(model, args: argparse.Namespace):
+    """Switch the model to Stem prefill when --sparse stem; returns its density log (None when dense)."""
+    if args.sparse == "none":
+        return None
+    from byblock.attention.hf_stem import enable_stem
+    from byblock.attention.stem import Backend, Decay, StemConfig
+
+    cfg = StemConfig(
+        sparsity=args.sparsity,
+        decay=Decay(args.tpd_decay),
+        alpha=args.tpd_alpha,
+        oam_beta=args.oam_beta,
+        block_size=args.sparse_block,
+        min_tokens=args.sparse_min_tokens,
+        dense_layers=args.sparse_dense_layers,
+        backend=Backend(args.sparse_backend),
+    )
+    if cfg.sparsity > 0.85:
+        sys.stderr.write(f"warning: --sparsity {cfg.sparsity} > 0.85: long-context retrieval quality usually drops\n")
+    return enable_stem(model.hf, cfg)
