@@ -1,4 +1,4 @@
-"""Stem sparse-prefill flags shared by `generate`, `bench` and `serve`."""
+"""Long-prompt flags shared by `generate`, `bench` and `serve`: Stem sparse prefill, KV-cache quantization."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 
 def add_sparse_args(parser: argparse.ArgumentParser) -> None:
     """--sparse stem and its knobs."""
-    s = parser.add_argument_group("long prompts (Stem sparse prefill)")
+    s = parser.add_argument_group("long prompts (Stem sparse prefill, KV-cache quantization)")
+    s.add_argument("--kv-quant", default="none", choices=["none", "int8", "int4"], help="store the KV cache quantized")
     s.add_argument("--sparse", default="none", choices=["none", "stem"], help="sparse prefill for long prompts")
     s.add_argument("--sparsity", type=float, default=0.75, help="stem: fraction of key blocks skipped (> 0.85 warns)")
     s.add_argument("--tpd-decay", default="linear", choices=["linear", "exp"], help="stem: budget decay shape")
@@ -21,7 +22,8 @@ def add_sparse_args(parser: argparse.ArgumentParser) -> None:
 
 
 def enable_sparse(model, args: argparse.Namespace):
-    """Switch the model to Stem prefill when --sparse stem; returns its density log (None when dense)."""
+    """Apply --kv-quant; switch the model to Stem prefill when --sparse stem (returns its density log, else None)."""
+    model.kv_bits = {"none": None, "int8": 8, "int4": 4}[args.kv_quant]
     if args.sparse == "none":
         return None
     from byblock.attention.hf_stem import enable_stem

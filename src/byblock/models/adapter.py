@@ -54,6 +54,7 @@ class TargetModel:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.dtype: torch.dtype = next(hf_model.parameters()).dtype
+        self.kv_bits: int | None = None  # 8 / 4: int8 / int4 KV cache (models/kv_quant.py)
 
     @property
     def has_chat_template(self) -> bool:
@@ -80,8 +81,8 @@ class TargetModel:
         return [int(t) for t in ids]
 
     def new_cache(self) -> KVCache:
-        """An empty KV cache for one sequence batch."""
-        return KVCache()
+        """An empty KV cache for one sequence batch (quantized when `kv_bits` is set)."""
+        return KVCache(self.kv_bits)
 
     def tree_attention_mask(
         self, past: int, positions: torch.Tensor, tree_mask: torch.Tensor
