@@ -10,6 +10,8 @@ def add_sparse_args(parser: argparse.ArgumentParser) -> None:
     """--sparse stem and its knobs."""
     s = parser.add_argument_group("long prompts (Stem sparse prefill, KV-cache quantization)")
     s.add_argument("--kv-quant", default="none", choices=["none", "int8", "int4"], help="store the KV cache quantized")
+    s.add_argument("--kv-window", type=int, default=0, help="StreamingLLM: keep the sinks + this many recent (0: off)")
+    s.add_argument("--kv-sinks", type=int, default=4, help="StreamingLLM: first positions always kept")
     s.add_argument("--sparse", default="none", choices=["none", "stem"], help="sparse prefill for long prompts")
     s.add_argument("--sparsity", type=float, default=0.75, help="stem: fraction of key blocks skipped (> 0.85 warns)")
     s.add_argument("--tpd-decay", default="linear", choices=["linear", "exp"], help="stem: budget decay shape")
@@ -23,7 +25,13 @@ def add_sparse_args(parser: argparse.ArgumentParser) -> None:
 
 def enable_sparse(model, args: argparse.Namespace):
     """Apply --kv-quant; switch the model to Stem prefill when --sparse stem (returns its density log, else None)."""
+    from byblock.errors import ByblockError
+    from byblock.models.kv_cache import StreamingWindow
+
     model.kv_bits = {"none": None, "int8": 8, "int4": 4}[args.kv_quant]
+    if args.kv_window < 0 or args.kv_sinks < 0:
+        raise ByblockError("--kv-window and --kv-sinks must be >= 0")
+    model.kv_window = StreamingWindow(args.kv_sinks, args.kv_window) if args.kv_window else None
     if args.sparse == "none":
         return None
     from byblock.attention.hf_stem import enable_stem

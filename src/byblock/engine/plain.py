@@ -28,6 +28,7 @@ def plain_decode(
     while True:
         yield TokenEvent(token, from_draft=False)
         t0 = time.perf_counter()
+        cache.evict()  # StreamingLLM caches drop what the next query cannot see (no-op otherwise)
         logits = target.forward(torch.tensor([[token]]), cache, logits_to_keep=1).logits
         token = choose(logits[0, -1], params, generator)
         stats.record(0, 0, 0, 0.0, time.perf_counter() - t0)

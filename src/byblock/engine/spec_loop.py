@@ -51,13 +51,15 @@ def speculative_decode(
         draft = drafter.propose(tokens, depth_budget) if depth_budget > 0 else Draft.empty()
         t1 = time.perf_counter()
 
-        past = cache.length  # == len(tokens) - 1
+        cache.evict()  # StreamingLLM caches drop what the next query cannot see (no-op otherwise)
+        past = cache.length  # slots; == len(tokens) - 1 unless the cache evicts
+        root_pos = cache.next_position  # the root's absolute position == len(tokens) - 1
         node_depths = draft.depths()  # [N]
         input_ids = torch.tensor([[tokens[-1], *draft.tokens.tolist()]])  # [1, 1+N]
         positions = tree_mask = None
         if not draft.is_chain:
             depths = torch.cat([torch.zeros(1, dtype=torch.long), node_depths])  # [1+N]
-            positions = (past + depths)[None]
+            positions = (root_pos + depths)[None]
             tree_mask = draft.ancestor_mask()
         out = target.forward(input_ids, cache, positions=positions, tree_mask=tree_mask, hidden_layers=layers)
         verdict = verify(draft, out.logits[0], params, generator)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from byblock.models.kv_cache import KVCache
+from byblock.models.kv_cache import KVCache, StreamingWindow
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class TargetModel:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.dtype: torch.dtype = next(hf_model.parameters()).dtype
         self.kv_bits: int | None = None  # 8 / 4: int8 / int4 KV cache (models/kv_quant.py)
+        self.kv_window: StreamingWindow | None = None  # StreamingLLM sinks + window (models/kv_cache.py)
 
     @property
     def has_chat_template(self) -> bool:
@@ -82,28 +83,38 @@ class TargetModel:
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for one sequence batch (quantized when `kv_bits` is set)."""
-        return KVCache(self.kv_bits)
+        return KVCache(self.kv_bits, self.kv_window)
 
     def tree_attention_mask(
-        self, past: int, positions: torch.Tensor, tree_mask: torch.Tensor
+        self,
+        past: int,
+        positions: torch.Tensor,
+        tree_mask: torch.Tensor,
+        cache_pos: torch.Tensor | None = None,
+        window: StreamingWindow | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Additive attention mask(s) for new tokens that see all `past` slots plus their tree ancestors.
 
         positions: [T] absolute positions of the new tokens; tree_mask: [T, T] bool, True where query i may
-        see new token j (itself and its ancestors). Returns [1, 1, T, past+T] in the model dtype, or a dict per
-        layer type for models with sliding-window layers (the window is part of the mask, see kv_cache.py).
+        see new token j (itself and its ancestors); cache_pos: [past] absolute positions of the cached slots
+        (default 0..past-1); window: StreamingLLM, each query sees only the sinks and its window.
+        Returns [1, 1, T, past+T] in the model dtype, or a dict per layer type for models with sliding-window
+        layers (the window is part of the mask, see kv_cache.py).
         """
         t = positions.numel()
         allowed = torch.ones(t, past + t, dtype=torch.bool)
         allowed[:, past:] = tree_mask
         neg = torch.finfo(self.dtype).min
+        kv_pos = torch.cat([torch.arange(past) if cache_pos is None else cache_pos, positions])  # [past+T]
+        if window is not None:
+            in_window = (positions[:, None] - kv_pos[None, :]) < window.window
+            allowed &= in_window | (kv_pos[None, :] < window.sinks)
 
         def additive(ok: torch.Tensor) -> torch.Tensor:
             return torch.zeros(ok.shape, dtype=self.dtype).masked_fill(~ok, neg)[None, None]
 
         if self.sliding_window is None:
             return additive(allowed)
-        kv_pos = torch.cat([torch.arange(past), positions])  # [past+T]
         in_window = (positions[:, None] - kv_pos[None, :]) < self.sliding_window
         return {"full_attention": additive(allowed), "sliding_attention": additive(allowed & in_window)}
 
@@ -133,10 +144,17 @@ class TargetModel:
         past = cache.length
         bsz, t = input_ids.shape
         if positions is None:
-            positions = torch.arange(past, past + t).expand(bsz, t)
+            start = cache.next_position
+            positions = torch.arange(start, start + t).expand(bsz, t)
         mask: object = attention_mask
-        if tree_mask is not None:
-            mask = self.tree_attention_mask(past, positions[0], tree_mask)
+        if cache.window is not None:
+            if bsz != 1 or attention_mask is not None:
+                raise ValueError("a StreamingLLM cache decodes one sequence at a time")
+            causal = torch.ones(t, t, dtype=torch.bool).tril() if tree_mask is None else tree_mask
+            mask = self.tree_attention_mask(past, positions[0], causal, cache.pos, cache.window)
+        elif tree_mask is not None:
+            mask = self.tree_attention_mask(past, positions[0], tree_mask, cache.pos)
+        cache.record(positions[0])
         out = self.hf(
             input_ids=input_ids,
             cache=cache.hf,

@@ -6,16 +6,38 @@ attention mask instead, so that rolling back a rejected draft never needs tokens
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers import DynamicCache
+
+
+@dataclass(frozen=True)
+class StreamingWindow:
+    """StreamingLLM: every query sees the first `sinks` positions and the `window` most recent ones (itself
+    included); everything else is evicted from the cache.
+
+    Applied as a per-query attention mask *and* by eviction between forwards, so a verify block of k tokens
+    sees, for each of its queries, exactly what plain decoding would have shown that query: speculative
+    decoding stays exactly lossless with respect to the windowed model (tests/test_kv_window.py)."""
+
+    sinks: int = 4
+    window: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0 or self.window < 1:
+            raise ValueError("StreamingLLM needs sinks >= 0 and window >= 1")
 
 
 class KVCache:
     """Key/value states of every committed token, in order of their slots."""
 
-    def __init__(self, kv_bits: int | None = None) -> None:
-        """kv_bits: None keeps K/V in the model dtype; 8 or 4 stores them quantized (models/kv_quant.py)."""
+    def __init__(self, kv_bits: int | None = None, window: StreamingWindow | None = None) -> None:
+        """kv_bits: None keeps K/V in the model dtype; 8 or 4 stores them quantized (models/kv_quant.py).
+        window: StreamingLLM eviction (None keeps everything)."""
         self.hf = DynamicCache()
+        self.window = window
+        self.pos = torch.empty(0, dtype=torch.long)  # [length] absolute position of each slot
         if kv_bits is not None:
             from functools import partial
 
@@ -28,8 +50,27 @@ class KVCache:
         """Number of cached slots (tokens)."""
         return self.hf.get_seq_length()
 
+    @property
+    def next_position(self) -> int:
+        """The absolute position of the next token (slots and positions differ once tokens are evicted)."""
+        return int(self.pos[-1]) + 1 if self.pos.numel() else 0
+
+    def record(self, positions: torch.Tensor) -> None:
+        """Note the positions [T] of the slots the last forward appended."""
+        self.pos = torch.cat([self.pos, positions.to(torch.long)])
+
+    def evict(self) -> None:
+        """StreamingLLM: drop every slot the next query can no longer see (no-op without a window)."""
+        w = self.window
+        if w is None or self.length <= w.sinks + w.window - 1:
+            return
+        slots = torch.arange(self.length)
+        keep = (self.pos < w.sinks) | (slots >= self.length - (w.window - 1))
+        self.keep(slots[keep])
+
     def crop(self, length: int) -> None:
         """Keep the first `length` slots."""
+        self.pos = self.pos[:length]
         for layer in self.hf.layers:
             if not layer.is_initialized:
                 continue
@@ -41,6 +82,7 @@ class KVCache:
 
     def keep(self, slots: torch.Tensor) -> None:
         """Keep only `slots` (int64 [n], increasing), in that order: compacts a tree's accepted path."""
+        self.pos = self.pos[slots]
         for layer in self.hf.layers:
             if not layer.is_initialized:
                 continue
