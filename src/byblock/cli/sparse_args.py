@@ -12,6 +12,8 @@ def add_sparse_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-quant", default="none", choices=["none", "int8", "int4"], help="store the KV cache quantized")
     s.add_argument("--kv-window", type=int, default=0, help="StreamingLLM: keep the sinks + this many recent (0: off)")
     s.add_argument("--kv-sinks", type=int, default=4, help="StreamingLLM: first positions always kept")
+    s.add_argument("--kv-snap", type=int, default=0, help="SnapKV: prompt positions kept per KV head (0: off)")
+    s.add_argument("--kv-snap-window", type=int, default=64, help="SnapKV: observation window (last prompt tokens)")
     s.add_argument("--sparse", default="none", choices=["none", "stem"], help="sparse prefill for long prompts")
     s.add_argument("--sparsity", type=float, default=0.75, help="stem: fraction of key blocks skipped (> 0.85 warns)")
     s.add_argument("--tpd-decay", default="linear", choices=["linear", "exp"], help="stem: budget decay shape")
@@ -32,6 +34,15 @@ def enable_sparse(model, args: argparse.Namespace):
     if args.kv_window < 0 or args.kv_sinks < 0:
         raise ByblockError("--kv-window and --kv-sinks must be >= 0")
     model.kv_window = StreamingWindow(args.kv_sinks, args.kv_window) if args.kv_window else None
+    if args.kv_snap:
+        from byblock.models.snapkv import SnapKVConfig, enable_snapkv
+
+        if args.sparse != "none" or model.kv_bits or model.kv_window:
+            raise ByblockError("--kv-snap does not combine with --sparse, --kv-quant or --kv-window yet")
+        try:
+            model.snapkv = enable_snapkv(model.hf, SnapKVConfig(args.kv_snap, args.kv_snap_window))
+        except ValueError as e:
+            raise ByblockError(str(e)) from None
     if args.sparse == "none":
         return None
     from byblock.attention.hf_stem import enable_stem

@@ -56,6 +56,7 @@ class TargetModel:
         self.dtype: torch.dtype = next(hf_model.parameters()).dtype
         self.kv_bits: int | None = None  # 8 / 4: int8 / int4 KV cache (models/kv_quant.py)
         self.kv_window: StreamingWindow | None = None  # StreamingLLM sinks + window (models/kv_cache.py)
+        self.snapkv = None  # SnapKVState when SnapKV is on (models/snapkv.py)
 
     @property
     def has_chat_template(self) -> bool:
@@ -164,6 +165,10 @@ class TargetModel:
             logits_to_keep=logits_to_keep,
             output_hidden_states=bool(hidden_layers),
         )
+        if self.snapkv is not None and self.snapkv.selections:  # a prefill just chose what to keep
+            from byblock.models.snapkv import apply_selection
+
+            apply_selection(cache, self.snapkv)
         hidden = None
         if hidden_layers:
             hidden = torch.cat([out.hidden_states[i + 1] for i in hidden_layers], dim=-1)
