@@ -26,7 +26,12 @@ def add_dllm_args(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--entropy-bound", type=float, default=0.1, help="entropy / renoise samplers: γ")
     d.add_argument("--t-min", type=float, default=0.4, help="renoise: final temperature")
     d.add_argument("--t-max", type=float, default=0.8, help="renoise: first temperature")
-    d.add_argument("--cache", default="exact", choices=["exact", "none"], help="block KV cache, or recompute")
+    d.add_argument(
+        "--cache",
+        default="exact",
+        choices=["exact", "none", "prefix"],
+        help="exact block KV cache | recompute | Fast-dLLM prefix cache (approximate on bidirectional models)",
+    )
 
 
 def dllm_config(args: argparse.Namespace, loaded, max_new_tokens: int, temperature: float = 0.0, seed=None):

@@ -24,6 +24,8 @@ class CacheMode(Enum):
 
     EXACT = "exact"  # each finished block is written to the KV cache by one pass; canvases only read it
     NONE = "none"  # every step recomputes prompt + committed blocks + canvas (the reference for EXACT)
+    PREFIX = "prefix"  # Fast-dLLM prefix cache for fully bidirectional models: prefix K/V computed at block start
+    # and reused while the canvas changes — an approximation (its drift is measured, tests/test_dllm.py)
 
 
 MASK_SAMPLERS = (SamplerKind.LOW_CONFIDENCE, SamplerKind.THRESHOLD, SamplerKind.FACTOR, SamplerKind.ENTROPY)

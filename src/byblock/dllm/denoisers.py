@@ -76,10 +76,15 @@ class MaskDenoiser:
 
     uses_self_conditioning = False
 
-    def __init__(self, hf_model: torch.nn.Module, mask_token_id: int, block_size: int) -> None:
+    def __init__(
+        self, hf_model: torch.nn.Module, mask_token_id: int, block_size: int, full_bidirectional: bool = False
+    ) -> None:
+        """full_bidirectional: LLaDA-style, every position (the prompt too) attends to every other; then no
+        block cache is exact and CacheMode.PREFIX is Fast-dLLM's approximate prefix cache."""
         self.hf = hf_model.eval()
         self.mask_token_id = mask_token_id
         self.default_block_size = block_size
+        self.full_bidirectional = full_bidirectional
         self.vocab_size = int(hf_model.config.get_text_config().vocab_size)
         self.dtype = next(hf_model.parameters()).dtype
 
@@ -90,11 +95,20 @@ class MaskDenoiser:
 
 class _MaskSession:
     def __init__(self, model: MaskDenoiser, prompt_ids: torch.Tensor, cache: CacheMode) -> None:
+        from byblock.errors import InvalidParameterError
+
+        if model.full_bidirectional and cache is CacheMode.EXACT:
+            raise InvalidParameterError(
+                "a fully bidirectional model has no exact block cache: use --cache none (exact) or prefix (approximate)"
+            )
+        if not model.full_bidirectional and cache is CacheMode.PREFIX:
+            cache = CacheMode.EXACT  # block-causal: the prefix never sees the canvas, so its cache is exact
         self.m = model
         self.mode = cache
-        self.segments = [_Segment(prompt_ids, bidirectional=False)]
+        self.segments = [_Segment(prompt_ids, bidirectional=model.full_bidirectional)]
         self.length = prompt_ids.shape[1]
         self.cache = KVCache()
+        self.block_started = False  # PREFIX: the prefix K/V of the current block are cached
         if cache is CacheMode.EXACT:
             self._forward(prompt_ids, self.cache.hf, start=0, mask=None)
 
@@ -113,12 +127,23 @@ class _MaskSession:
             logits = self._forward(canvas, self.cache.hf, past, self._bidi_mask(past, canvas.shape[1]))
             self.cache.crop(past)
             return logits.float()
-        from transformers import DynamicCache
-
+        if self.mode is CacheMode.PREFIX and self.block_started:
+            past = self.cache.length  # stale prefix K/V: computed when the block started
+            logits = self._forward(canvas, self.cache.hf, past, self._bidi_mask(past, canvas.shape[1]))
+            self.cache.crop(past)
+            return logits.float()
         segs = [*self.segments, _Segment(canvas, bidirectional=True)]
         ids = torch.cat([s.tokens for s in segs], dim=1)
-        mask = segment_mask([(s.tokens.shape[1], s.bidirectional) for s in segs], self.m.dtype)
-        return self._forward(ids, DynamicCache(), 0, mask)[:, -canvas.shape[1] :].float()
+        if self.m.full_bidirectional:
+            mask = torch.zeros(1, 1, ids.shape[1], ids.shape[1], dtype=self.m.dtype)
+        else:
+            mask = segment_mask([(s.tokens.shape[1], s.bidirectional) for s in segs], self.m.dtype)
+        fresh = KVCache()
+        logits = self._forward(ids, fresh.hf, 0, mask)[:, -canvas.shape[1] :].float()
+        if self.mode is CacheMode.PREFIX:  # keep the prefix K/V of this full pass for the block's later steps
+            fresh.crop(self.length)
+            self.cache, self.block_started = fresh, True
+        return logits
 
     @torch.inference_mode()
     def commit(self, block: torch.Tensor) -> None:
@@ -128,6 +153,7 @@ class _MaskSession:
             self._forward(block, self.cache.hf, past, self._bidi_mask(past, block.shape[1]))
         self.segments.append(_Segment(block, bidirectional=True))
         self.length += block.shape[1]
+        self.block_started = False
 
 
 class GemmaDenoiser:
@@ -148,6 +174,7 @@ class GemmaDenoiser:
 
 class _GemmaSession:
     def __init__(self, model: GemmaDenoiser, prompt_ids: torch.Tensor, cache: CacheMode) -> None:
+        cache = CacheMode.EXACT if cache is CacheMode.PREFIX else cache  # a causal encoder's prefix is exact
         self.m = model
         self.mode = cache
         self.committed = prompt_ids

@@ -60,7 +60,7 @@ def load_dllm(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedDl
         except (ValueError, KeyError, TypeError) as e:
             raise ByblockError(f"{path / DLLM_CONFIG} is malformed: {e}") from None
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-        denoiser: Denoiser = MaskDenoiser(hf, mask_id, block)
+        denoiser: Denoiser = MaskDenoiser(hf, mask_id, block, bool(meta.get("full_bidirectional", False)))
     else:
         from transformers import DiffusionGemmaForBlockDiffusion
 
