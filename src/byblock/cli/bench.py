@@ -62,18 +62,22 @@ def run_dllm_bench(args: argparse.Namespace) -> int:
 
     if bool(args.update_results) != bool(args.section):
         raise ByblockError("--update-results and --section go together")
-    mdm = Path(args.model)
+    from byblock.dllm.loading import resolve_dllm
+
+    mdm = resolve_dllm(args.model)
     methods_text = DLLM_SWEEP if args.methods == "ar,ngram,dflash" else args.methods
     base = DllmConfig(seed=args.seed, temperature=args.temperature)
     methods = [DllmMethod.parse(m.strip(), base) for m in methods_text.split(",") if m.strip()]
-    puzzles = load_puzzles(Path(args.puzzles) if args.puzzles else mdm.parent / "data" / "test.jsonl", args.limit)
+    shipped = mdm / "test_puzzles.jsonl"  # shipped checkpoints carry their held-out puzzles
+    default = shipped if shipped.is_file() else mdm.parent / "data" / "test.jsonl"
+    puzzles = load_puzzles(Path(args.puzzles) if args.puzzles else default, args.limit)
 
     def progress(name: str, row: dict) -> None:
         if not args.quiet:
             ms = row["s_per_puzzle"] * 1e3
             sys.stderr.write(f"[{name}] accuracy {row['accuracy']:.1%}, TPF {row['tpf']:.2f}, {ms:.1f} ms/puzzle\n")
 
-    report = run_frontier(mdm, Path(args.ar_model) if args.ar_model else None, puzzles, methods, progress)
+    report = run_frontier(mdm, resolve_dllm(args.ar_model) if args.ar_model else None, puzzles, methods, progress)
     report["command"] = "byblock bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     report["date"] = datetime.date.today().isoformat()
     out_dir = Path(args.out or f"bench-out/{datetime.datetime.now():%Y%m%d-%H%M%S}")

@@ -17,6 +17,15 @@ from byblock.dllm.denoisers import Denoiser, GemmaDenoiser, MaskDenoiser
 from byblock.errors import ByblockError, ModelNotFoundError
 
 DLLM_CONFIG = "byblock_dllm.json"
+# Diffusion checkpoints shipped inside the package (dllm/weights/<name>): `--model NAME` finds them.
+SHIPPED = ("sudoku6-mdm", "sudoku6-ar")
+
+
+def resolve_dllm(name_or_path: str) -> Path:
+    """A shipped checkpoint name or a directory path."""
+    if name_or_path in SHIPPED:
+        return Path(__file__).parent / "weights" / name_or_path
+    return Path(name_or_path).expanduser()
 
 
 @dataclass
@@ -31,7 +40,7 @@ class LoadedDllm:
 
 def is_dllm_checkpoint(name_or_path: str) -> bool:
     """True for a local directory holding a diffusion model byblock can decode."""
-    path = Path(name_or_path).expanduser()
+    path = resolve_dllm(name_or_path)
     if not (path / "config.json").is_file():
         return False
     if (path / DLLM_CONFIG).is_file():
@@ -46,7 +55,7 @@ def load_dllm(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedDl
     from byblock.models.loading import _quiet_transformers
 
     _quiet_transformers()
-    path = Path(name_or_path).expanduser()
+    path = resolve_dllm(name_or_path)
     if not is_dllm_checkpoint(str(path)):
         raise ModelNotFoundError(
             f"'{name_or_path}' is not a diffusion model directory (DiffusionGemma or {DLLM_CONFIG})"
