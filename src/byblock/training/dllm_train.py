@@ -232,6 +232,8 @@ class DllmTrainer:
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path)
         self.tok.save_pretrained(path)
+        for f in path.iterdir():
+            f.chmod(0o644)  # readable by whoever installs the package
         if self.cfg.kind == "mdm":
             meta = {"mask_token_id": self.mask_id, "block_size": self.cells, "task": "sudoku", "prompt_suffix": "<sep>"}
             meta["max_new_tokens"] = self.cells
