@@ -25,9 +25,12 @@ import torch
 def median_time(fn, repeats: int) -> float:
     """Median wall time of fn() over `repeats` calls."""
     times = []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
 
@@ -37,8 +40,10 @@ def sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def attention_only(lengths: list[int], heads: int, head_dim: int, sparsities: list[float], repeats: int) -> list[dict]:
-    """SDPA vs Stem for one layer at each length and sparsity."""
+def attention_only(
+    lengths: list[int], heads: int, head_dim: int, sparsities: list[float], repeats: int, device: str = "cpu"
+) -> list[dict]:
+    """SDPA vs Stem for one layer at each length and sparsity (on `device`: cpu or cuda)."""
     from byblock.attention.stem import (
         DensityLog,
         StemConfig,
@@ -52,7 +57,7 @@ def attention_only(lengths: list[int], heads: int, head_dim: int, sparsities: li
     rows = []
     for length in lengths:
         g = torch.Generator().manual_seed(length)
-        q, k, v = (torch.randn(1, heads, length, head_dim, generator=g) for _ in range(3))
+        q, k, v = (torch.randn(1, heads, length, head_dim, generator=g).to(device) for _ in range(3))
         scale = head_dim**-0.5
         dense = median_time(lambda q=q, k=k, v=v: sdpa_causal(q, k, v), repeats)
         for sp in sparsities:
@@ -125,12 +130,12 @@ def end_to_end(model_name: str, lengths: list[int], sparsities: list[float]) -> 
 
 def markdown(attn: list[dict], e2e: list[dict], model: str) -> str:
     """The RESULTS.md tables."""
-    out = [
-        "Attention only (one layer, causal, the model's head shapes):",
-        "",
-        "| prompt tokens | sparsity | density | SDPA ms | Stem scoring ms | Stem kernel ms | speedup | kernel only |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    header = (
+        "| prompt tokens | sparsity | density | SDPA ms | Stem scoring ms | Stem kernel ms | speedup | kernel only |"
+    )
+    out = [] if not attn else ["Attention only (one layer, causal, the model's head shapes):", "", header]
+    if attn:
+        out.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in attn:
         ms = {key: r[key] * 1e3 for key in ("sdpa_s", "score_s", "kernel_s")}
         out.append(
@@ -138,6 +143,8 @@ def markdown(attn: list[dict], e2e: list[dict], model: str) -> str:
             f"{ms['kernel_s']:.1f} | {r['speedup']:.2f}× | {r['kernel_speedup']:.2f}× |"
         )
     dense = {r["length"]: r for r in e2e if r["sparsity"] is None}
+    if not e2e:
+        return "\n".join(out) + "\n"
     out += [
         "",
         f"End to end, `{model}` fp32, prefill + first token:",
@@ -166,6 +173,7 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="attention-only part: cpu or cuda")
     p.add_argument("--update-results", default=None)
     p.add_argument("--section", default=None)
     args = p.parse_args()
@@ -173,7 +181,8 @@ def main() -> int:
     attn = attention_only(
         [int(x) for x in args.attn_lengths.split(",")], args.heads, args.head_dim, sparsities, args.repeats
     )
-    e2e = end_to_end(args.model, [int(x) for x in args.lengths.split(",") if x], sparsities)
+    e2e_lengths = [int(x) for x in args.lengths.split(",") if x]
+    e2e = end_to_end(args.model, e2e_lengths, sparsities) if e2e_lengths else []
     table = markdown(attn, e2e, args.model)
     print(table)
     if args.update_results:

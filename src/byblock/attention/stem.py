@@ -99,7 +99,7 @@ def oam_block_logits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Ste
     per = bs // s
     n = length // bs
     logits = est.view(b, h, n, per, n, per).mean(dim=(3, 5))  # [B, H, n, n]
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     return logits.masked_fill(~causal, float("-inf"))
 
 
@@ -121,12 +121,12 @@ def tpd_budgets(n: int, cfg: StemConfig) -> torch.Tensor:
 
 def select_blocks(logits: torch.Tensor, budgets: torch.Tensor, cfg: StemConfig) -> torch.Tensor:
     """Block mask [B, H, n, n] bool: top-budget blocks per query block, plus sinks and the local window, causal."""
-    n = logits.shape[-1]
+    n, dev = logits.shape[-1], logits.device
     order = logits.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n).expand_as(order))
-    keep = rank < budgets.view(1, 1, n, 1)
-    qi = torch.arange(n)[:, None]
-    kj = torch.arange(n)[None, :]
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=dev).expand_as(order))
+    keep = rank < budgets.to(dev).view(1, 1, n, 1)
+    qi = torch.arange(n, device=dev)[:, None]
+    kj = torch.arange(n, device=dev)[None, :]
     forced = (kj < cfg.sink_blocks) | ((qi - kj >= 0) & (qi - kj < cfg.local_blocks))
     causal = kj <= qi
     return (keep | forced) & causal
@@ -203,7 +203,7 @@ def block_sparse_attention_flex(
         log.flex = torch.compile(flex_attention, dynamic=False)
     n = block_mask.shape[-1]
     length = q.shape[2]
-    diag = torch.eye(n, dtype=torch.bool)
+    diag = torch.eye(n, dtype=torch.bool, device=block_mask.device)
 
     def as_indices(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         counts = sel.sum(-1).to(torch.int32)
