@@ -178,9 +178,8 @@ def main() -> int:
     p.add_argument("--section", default=None)
     args = p.parse_args()
     sparsities = [float(x) for x in args.sparsities.split(",")]
-    attn = attention_only(
-        [int(x) for x in args.attn_lengths.split(",")], args.heads, args.head_dim, sparsities, args.repeats
-    )
+    attn_lengths = [int(x) for x in args.attn_lengths.split(",") if x]
+    attn = attention_only(attn_lengths, args.heads, args.head_dim, sparsities, args.repeats, args.device)
     e2e_lengths = [int(x) for x in args.lengths.split(",") if x]
     e2e = end_to_end(args.model, e2e_lengths, sparsities) if e2e_lengths else []
     table = markdown(attn, e2e, args.model)
