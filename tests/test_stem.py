@@ -171,3 +171,14 @@ def test_sparse_flags_from_the_cli(tiny_llama_dir):
     assert "warning: --sparsity 0.9" in sparse.stderr
     bad = subprocess.run([*base, "--sparse", "stem", "--sparsity", "1.5"], capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_gemma_sliding_layers_take_the_flex_window_kernel_and_stay_exact():
+    ids = torch.randint(3, 300, (1, 192), generator=torch.Generator().manual_seed(4))
+    ref = hf_logits(make_hf_model("gemma3", max_position_embeddings=512), ids)
+    model = make_hf_model("gemma3", max_position_embeddings=512)
+    cfg = StemConfig(sparsity=0.0, block_size=BS, stride=4, min_tokens=64, dense_layers=0)
+    density = enable_stem(model, cfg)
+    torch.testing.assert_close(hf_logits(model, ids), ref, rtol=1e-4, atol=1e-4)
+    assert density.kernel_layers == {3} and density.window_layers == {0, 1, 2}  # sliding layers: the window kernel

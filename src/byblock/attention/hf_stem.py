@@ -52,6 +52,27 @@ def stem_attention_forward(module, query, key, value, attention_mask, scaling=No
         and layer >= cfg.dense_layers
         and getattr(module, "sliding_window", None) is None
     )
+    window = getattr(module, "sliding_window", None)
+    unpadded = attention_mask is None or (
+        attention_mask.dtype == torch.bool and bool(attention_mask[:, 0].any(dim=-2).all())
+    )
+    if (
+        cfg is not None
+        and density is not None
+        and window is not None
+        and cfg.backend is Backend.FLEX
+        and lq == lk >= cfg.min_tokens
+        and unpadded
+    ):
+        # a sliding-window layer stays exact, but skips the blocks outside its window instead of masking them
+        scale = scaling if scaling is not None else d**-0.5
+        groups = h // key.shape[1]
+        out = sliding_window_flex(
+            query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), window, scale, density
+        )
+        density.per_layer[layer] = 1.0
+        density.window_layers.add(layer)
+        return out.transpose(1, 2).contiguous(), None
     if not sparse:
         if cfg is not None and density is not None and lq == lk and lq > 1:
             density.per_layer[layer] = 1.0
@@ -87,6 +108,22 @@ def stem_attention_forward(module, query, key, value, attention_mask, scaling=No
         )
         out = torch.cat([out, tail], dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def sliding_window_flex(q, k, v, window: int, scale: float, log: DensityLog):
+    """Exact causal sliding-window attention (query i sees keys i-window+1..i) with flex_attention, so the
+    key blocks outside the window are skipped rather than masked. q, k, v: [B, H, L, D] -> [B, H, L, D]."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if log.flex is None:
+        log.flex = torch.compile(flex_attention, dynamic=False)
+    length = q.shape[2]
+
+    def in_window(b, h, qi, kv):
+        return (qi >= kv) & (qi - kv < window)
+
+    block_mask = create_block_mask(in_window, None, None, length, length, device=q.device)
+    return log.flex(q, k, v, block_mask=block_mask, scale=scale)
 
 
 def enable_stem(hf_model: torch.nn.Module, cfg: StemConfig) -> DensityLog:

@@ -75,6 +75,7 @@ class DensityLog:
 
     per_layer: dict[int, float] = field(default_factory=dict)
     kernel_layers: set[int] = field(default_factory=set)  # layers that ran the block-sparse kernel
+    window_layers: set[int] = field(default_factory=set)  # sliding-window layers that ran the flex window kernel
     flex: Callable | None = None  # the compiled flex_attention, built on first use (per model)
 
     def mean(self) -> float:
