@@ -53,16 +53,13 @@ def stem_attention_forward(module, query, key, value, attention_mask, scaling=No
         and getattr(module, "sliding_window", None) is None
     )
     window = getattr(module, "sliding_window", None)
-    unpadded = attention_mask is None or (
-        attention_mask.dtype == torch.bool and bool(attention_mask[:, 0].any(dim=-2).all())
-    )
     if (
         cfg is not None
         and density is not None
         and window is not None
         and cfg.backend is Backend.FLEX
         and lq == lk >= cfg.min_tokens
-        and unpadded
+        and _unpadded(attention_mask)  # checked last: only long first prefills pay for it
     ):
         # a sliding-window layer stays exact, but skips the blocks outside its window instead of masking them
         scale = scaling if scaling is not None else d**-0.5
@@ -108,6 +105,13 @@ def stem_attention_forward(module, query, key, value, attention_mask, scaling=No
         )
         out = torch.cat([out, tail], dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _unpadded(attention_mask: torch.Tensor | None) -> bool:
+    """True when no key is padding (every key column is visible to some query)."""
+    if attention_mask is None:
+        return True
+    return attention_mask.dtype == torch.bool and bool(attention_mask[:, 0].any(dim=-2).all())
 
 
 def sliding_window_flex(q, k, v, window: int, scale: float, log: DensityLog):

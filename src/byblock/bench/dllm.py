@@ -15,8 +15,7 @@ import torch
 
 from byblock.dllm.config import DllmConfig, SamplerKind
 from byblock.dllm.denoisers import MaskDenoiser
-from byblock.dllm.generate import diffusion_generate
-from byblock.dllm.sudoku import Board, is_solution
+from byblock.dllm.sudoku import Board, is_solution, solve_ar, solve_mdm
 from byblock.errors import ByblockError
 
 KNOB = {
@@ -62,29 +61,6 @@ def load_puzzles(path: Path, limit: int) -> list[tuple[str, str]]:
         raise ByblockError(f"no puzzle file at {path}")
     rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()][:limit]
     return [(r["puzzle"], r["solution"]) for r in rows]
-
-
-@torch.inference_mode()
-def solve_mdm(model: MaskDenoiser, tok, puzzle: str, cfg: DllmConfig) -> tuple[str, int]:
-    """(answer, denoising forwards) for one puzzle."""
-    prompt = [*tok(puzzle, add_special_tokens=False)["input_ids"], tok.sep_token_id]
-    res = diffusion_generate(model, prompt, replace(cfg, max_new_tokens=len(puzzle)))
-    return tok.decode(res.token_ids), res.nfe
-
-
-@torch.inference_mode()
-def solve_ar(model, tok, puzzle: str) -> str:
-    """Greedy left-to-right answer of the AR twin (one cached forward per cell)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    ids = torch.tensor([[*tok(puzzle, add_special_tokens=False)["input_ids"], tok.sep_token_id]])
-    out: list[int] = []
-    for _ in range(len(puzzle)):
-        nxt = int(model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].argmax())
-        out.append(nxt)
-        ids = torch.tensor([[nxt]])
-    return tok.decode(out)
 
 
 @torch.inference_mode()

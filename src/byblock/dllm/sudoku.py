@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 SPECIAL = ("<pad>", "<eos>", "<mask>", "<sep>")
 DIGITS = "0123456789"
 
@@ -144,3 +146,34 @@ def make_tokenizer(save_dir: str | Path | None = None):
     if save_dir is not None:
         fast.save_pretrained(save_dir)
     return fast
+
+
+def puzzle_prompt(tok, puzzle: str) -> list[int]:
+    """Token ids of a puzzle prompt: its digits, then <sep> (what the models were trained on)."""
+    return [*tok(puzzle, add_special_tokens=False)["input_ids"], tok.sep_token_id]
+
+
+@torch.inference_mode()
+def solve_ar(model, tok, puzzle: str) -> str:
+    """Greedy left-to-right answer of an AR model (one cached forward per cell)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    ids = torch.tensor([puzzle_prompt(tok, puzzle)])
+    out: list[int] = []
+    for _ in range(len(puzzle)):
+        nxt = int(model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].argmax())
+        out.append(nxt)
+        ids = torch.tensor([[nxt]])
+    return tok.decode(out)
+
+
+@torch.inference_mode()
+def solve_mdm(denoiser, tok, puzzle: str, cfg) -> tuple[str, int]:
+    """(answer, denoising forwards) of a diffusion model for one puzzle, with DllmConfig `cfg`."""
+    from dataclasses import replace
+
+    from byblock.dllm.generate import diffusion_generate
+
+    res = diffusion_generate(denoiser, puzzle_prompt(tok, puzzle), replace(cfg, max_new_tokens=len(puzzle)))
+    return tok.decode(res.token_ids), res.nfe

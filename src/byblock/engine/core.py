@@ -14,7 +14,7 @@ break that (see dev/LOG.md on bf16 row-count effects).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -82,24 +82,28 @@ class EngineCore(Protocol):
         ...
 
 
-class SerialEngineCore:
-    """One request at a time, FIFO; each step yields the running request's next text delta."""
+class FifoEngineCore:
+    """One request at a time, first come first served. Subclasses say how a request turns into outputs
+    (`_outputs`: a generator of RequestOutputs ending with the finished one); this class owns the queue and
+    pulls one output per step. Closing that generator (abort) closes the request's decode loop mid-block."""
 
-    def __init__(self, model: TargetModel, drafters: Mapping[str, Drafter | None]) -> None:
-        self.model = model
-        self.drafters = {"none": None, **drafters}
-        self.drafter_names = tuple(self.drafters)
+    drafter_names: tuple[str, ...] = ("none",)
+
+    def __init__(self) -> None:
         self._waiting: deque[EngineRequest] = deque()
-        self._running: tuple[EngineRequest, Generation, Iterator[StreamEvent]] | None = None
+        self._running: tuple[EngineRequest, Generator[RequestOutput, None, None]] | None = None
+
+    def _outputs(self, req: EngineRequest) -> Generator[RequestOutput, None, None]:
+        raise NotImplementedError
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request (unknown drafter names fail when the request starts, as an error output)."""
+        """Queue a request (problems with it surface when it starts, as an error output)."""
         self._waiting.append(request)
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a queued request, or stop the running one (closing its decode loop mid-block)."""
+        """Drop a queued request, or stop the running one."""
         if self._running is not None and self._running[0].request_id == request_id:
-            self._running[2].close()  # type: ignore[attr-defined]
+            self._running[1].close()
             self._running = None
             return
         self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
@@ -117,26 +121,47 @@ class SerialEngineCore:
         return int(self._running is not None)
 
     def step(self) -> list[RequestOutput]:
-        """Start the next request if idle, then pull one text delta (or the final result) from it."""
+        """Start the next request if idle, then pull its next output."""
         if self._running is None:
             if not self._waiting:
                 return []
             req = self._waiting.popleft()
-            if req.drafter not in self.drafters:
-                return [RequestOutput(req.request_id, error=f"drafter '{req.drafter}' is not loaded")]
-            try:
-                gen = Generation(self.model, list(req.prompt_ids), req.params, self.drafters[req.drafter])
-            except ByblockError as e:
-                return [RequestOutput(req.request_id, error=str(e))]
-            self._running = (req, gen, iter(gen))
-        req, gen, it = self._running
+            self._running = (req, self._outputs(req))
+        req, outputs = self._running
         try:
-            event = next(it)
+            out = next(outputs)
         except StopIteration:
             self._running = None
-            assert gen.result is not None
-            return [RequestOutput(req.request_id, result=gen.result)]
+            return []
+        except ByblockError as e:
+            self._running = None
+            return [RequestOutput(req.request_id, error=str(e))]
         except Exception as e:  # a bug must fail one request, never the engine thread
             self._running = None
             return [RequestOutput(req.request_id, error=f"internal error: {type(e).__name__}: {e}", internal=True)]
-        return [RequestOutput(req.request_id, event=event)]
+        if out.finished:
+            self._running = None
+        return [out]
+
+
+class SerialEngineCore(FifoEngineCore):
+    """Autoregressive requests (plain or speculative), one at a time; each step yields the next text delta."""
+
+    def __init__(self, model: TargetModel, drafters: Mapping[str, Drafter | None]) -> None:
+        super().__init__()
+        self.model = model
+        self.drafters = {"none": None, **drafters}
+        self.drafter_names = tuple(self.drafters)
+
+    def _outputs(self, req: EngineRequest) -> Generator[RequestOutput, None, None]:
+        if req.drafter not in self.drafters:
+            raise ByblockError(f"drafter '{req.drafter}' is not loaded")
+        gen = Generation(self.model, list(req.prompt_ids), req.params, self.drafters[req.drafter])
+        events = iter(gen)
+        try:
+            for event in events:
+                yield RequestOutput(req.request_id, event=event)
+        finally:
+            events.close()  # type: ignore[attr-defined]
+        assert gen.result is not None
+        yield RequestOutput(req.request_id, result=gen.result)

@@ -8,81 +8,29 @@ denoising forward (rounds = forwards), so /metrics and the playground report TPF
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import replace
 
 from byblock.dllm.config import DllmConfig
 from byblock.dllm.denoisers import Denoiser
 from byblock.dllm.generate import iter_blocks
-from byblock.engine.core import EngineRequest, RequestOutput
+from byblock.engine.core import EngineRequest, FifoEngineCore, RequestOutput
 from byblock.engine.text import IncrementalDetokenizer, StopStringMatcher
 from byblock.engine.types import FinishReason, GenerationResult, SpecStats, StreamEvent, TokenEvent
-from byblock.errors import ByblockError
 
 
-class DllmEngineCore:
+class DllmEngineCore(FifoEngineCore):
     """One diffusion request at a time; one block per step."""
 
-    drafter_names = ("none",)
-
     def __init__(self, denoiser: Denoiser, tokenizer, eos_token_ids: frozenset[int], base: DllmConfig) -> None:
+        super().__init__()
         self.denoiser = denoiser
         self.tokenizer = tokenizer
         self.eos = eos_token_ids
         self.base = base
         self.label = f"dllm-{base.sampler.value}"
-        self._waiting: deque[EngineRequest] = deque()
-        self._running: tuple[EngineRequest, Iterator[RequestOutput]] | None = None
 
-    def add_request(self, request: EngineRequest) -> None:
-        """Queue a request."""
-        self._waiting.append(request)
-
-    def abort_request(self, request_id: str) -> None:
-        """Drop a queued request or stop the running one between blocks."""
-        if self._running is not None and self._running[0].request_id == request_id:
-            self._running[1].close()  # type: ignore[attr-defined]
-            self._running = None
-            return
-        self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
-
-    def has_unfinished(self) -> bool:
-        """True while a request is queued or running."""
-        return self._running is not None or bool(self._waiting)
-
-    def num_waiting(self) -> int:
-        """Requests queued behind the running one."""
-        return len(self._waiting)
-
-    def num_running(self) -> int:
-        """0 or 1."""
-        return int(self._running is not None)
-
-    def step(self) -> list[RequestOutput]:
-        """Start the next request if idle, then decode one block of it."""
-        if self._running is None:
-            if not self._waiting:
-                return []
-            req = self._waiting.popleft()
-            self._running = (req, self._decode(req))
-        req, it = self._running
-        try:
-            out = next(it)
-        except StopIteration:
-            self._running = None
-            return []
-        except ByblockError as e:
-            self._running = None
-            return [RequestOutput(req.request_id, error=str(e))]
-        except Exception as e:  # a bug fails one request, never the engine thread
-            self._running = None
-            return [RequestOutput(req.request_id, error=f"internal error: {type(e).__name__}: {e}", internal=True)]
-        if out.finished:
-            self._running = None
-        return [out]
-
-    def _decode(self, req: EngineRequest) -> Iterator[RequestOutput]:
+    def _outputs(self, req: EngineRequest) -> Generator[RequestOutput, None, None]:
         """The request as a sequence of outputs: one text delta per block, then the result."""
         params = req.params
         cfg = replace(self.base, max_new_tokens=params.max_new_tokens, temperature=params.temperature, seed=params.seed)

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from byblock.dllm.denoisers import segment_mask
+from byblock.dllm.config import DllmConfig, SamplerKind
+from byblock.dllm.denoisers import MaskDenoiser, segment_mask
 from byblock.dllm.loading import DLLM_CONFIG
-from byblock.dllm.sudoku import Board, is_solution, make_puzzle, make_tokenizer
+from byblock.dllm.sudoku import Board, is_solution, make_puzzle, make_tokenizer, puzzle_prompt, solve_ar, solve_mdm
 from byblock.errors import ByblockError
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,6 @@ class DllmTrainer:
             self.step = saved["step"]
             torch.set_rng_state(saved["rng"])
         self.mask_id = self.tok.mask_token_id
-        self.sep_id = self.tok.sep_token_id
         self.eos_id = self.tok.eos_token_id
 
     def encode(self, text: str) -> list[int]:
@@ -179,7 +179,7 @@ class DllmTrainer:
         """Deterministic batch of (prompt ids [B, n²+1], answer ids [B, n²]) for a step."""
         rng = random.Random(f"{self.cfg.seed}:{step}")
         rows = [self.train[rng.randrange(len(self.train))] for _ in range(self.cfg.batch_size)]
-        prompts = torch.tensor([[*self.encode(p), self.sep_id] for p, _ in rows])
+        prompts = torch.tensor([puzzle_prompt(self.tok, p) for p, _ in rows])
         answers = torch.tensor([self.encode(s) for _, s in rows])
         return prompts, answers
 
@@ -245,7 +245,13 @@ class DllmTrainer:
         """Solve rate on held-out puzzles (MDM: threshold 0.9 sampler; AR: greedy)."""
         puzzles = self.test[: limit or self.cfg.eval_puzzles]
         self.model.eval()
-        solved = sum(is_solution(self.board, p, solve(self.model, self.tok, p, self.cfg.kind)) for p, _ in puzzles)
+        if self.cfg.kind == "ar":
+            answers = [solve_ar(self.model, self.tok, p) for p, _ in puzzles]
+        else:
+            denoiser = MaskDenoiser(self.model, self.mask_id, self.cells)
+            cfg = DllmConfig(sampler=SamplerKind.THRESHOLD, threshold=0.9)
+            answers = [solve_mdm(denoiser, self.tok, p, cfg)[0] for p, _ in puzzles]
+        solved = sum(is_solution(self.board, p, a) for (p, _), a in zip(puzzles, answers, strict=True))
         self.model.train()
         return solved / len(puzzles)
 
@@ -288,30 +294,3 @@ class DllmTrainer:
             return {"steps": self.step}
         path = self.export()
         return {"steps": self.step, "export": str(path)}
-
-
-@torch.inference_mode()
-def solve(model, tok, puzzle: str, kind: str, dllm=None) -> str:
-    """The model's answer to one puzzle (digits as a string; malformed answers are returned as they are)."""
-    sep = tok.sep_token_id
-    prompt = [*tok(puzzle, add_special_tokens=False)["input_ids"], sep]
-    cells = len(puzzle)
-    if kind == "ar":
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        ids = torch.tensor([prompt])
-        out: list[int] = []
-        for _ in range(cells):
-            logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1]
-            nxt = int(logits.argmax())
-            out.append(nxt)
-            ids = torch.tensor([[nxt]])
-        return tok.decode(out)
-    from byblock.dllm.config import DllmConfig, SamplerKind
-    from byblock.dllm.denoisers import MaskDenoiser
-    from byblock.dllm.generate import diffusion_generate
-
-    cfg = dllm or DllmConfig(sampler=SamplerKind.THRESHOLD, threshold=0.9, max_new_tokens=cells)
-    res = diffusion_generate(MaskDenoiser(model, tok.mask_token_id, cells), prompt, cfg)
-    return tok.decode(res.token_ids)
