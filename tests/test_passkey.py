@@ -19,3 +19,34 @@ def test_prompts_hide_the_key_at_the_depth_and_length():
         assert correct(a, f" {a.answer}.") and not correct(a, " 12")
     multi = make_prompt(tok, 600, 0.9, 3)
     assert multi.text.count("The pass key") == 3 and "What is the pass key" in multi.text
+
+
+def test_bench_runs_every_setting_on_the_passkey_probe(tiny_llama_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    results = tmp_path / "RESULTS.md"
+    cmd = [sys.executable, "-m", "byblock.cli.main", "bench", "--model", str(tiny_llama_dir), "--dataset", "passkey"]
+    cmd += ["--settings", "dense,stem:0.5,int8,int4,window:4+64,snapkv:32,h2o:16+16", "--methods", "ar,ngram"]
+    cmd += ["--passkey-lengths", "200,300", "--passkey-depths", "0.2,0.8", "--passkey-keys", "1,2"]
+    cmd += ["--sparse-min-tokens", "64", "--sparse-block", "16", "--sparse-dense-layers", "0", "--quiet"]
+    cmd += ["--out", str(tmp_path / "out"), "--update-results", str(results), "--section", "pk"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "out/report.json").read_text())
+    assert json.loads(r.stdout.strip().splitlines()[-1])["report"].endswith("report.json")
+    rows = report["rows"]
+    assert len(rows) == 7 * 2 * 2 and all(row["n"] == 4 and 0 <= row["accuracy"] <= 1 for row in rows)
+    kv = {(row["setting"], row["length"]): row["kv_mb"] for row in rows if row["method"] == "ar"}
+    assert kv[("int8", 300)] < kv[("dense", 300)] / 3 and kv[("int4", 300)] < kv[("int8", 300)]
+    assert kv[("h2o:16+16", 300)] < kv[("dense", 300)] / 5 and kv[("snapkv:32", 300)] < kv[("dense", 300)]
+    greedy = {}
+    for row in rows:  # the same answers through ngram: lossless under every setting, so equal accuracy
+        greedy.setdefault((row["setting"], row["length"]), set()).add(row["correct"])
+    assert all(len(v) == 1 for v in greedy.values())
+    text = results.read_text()
+    assert "<!-- bench:pk -->" in text and "h2o:16+16" in text and "byblock bench" in text
+    for bad in (["--settings", "h2o:16"], ["--settings", "dense,dense"], ["--passkey-lengths", "x"], ["--kv-h2o", "8"]):
+        b = subprocess.run([*cmd[:6], *bad], capture_output=True, text=True)
+        assert b.returncode == 2 and len(b.stderr.strip().splitlines()) == 1, b.stderr

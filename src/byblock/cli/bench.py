@@ -25,7 +25,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--methods", default="ar,ngram,dflash", help="comma list; see byblock/bench/methods.py")
-    parser.add_argument("--dataset", default="dev", help="comma list of dev | humaneval | PATH.jsonl")
+    parser.add_argument("--dataset", default="dev", help="comma list of dev | humaneval | PATH.jsonl, or passkey")
     parser.add_argument("--dataset-path", default=None, help="where the dev prompts live (default: shared data)")
     parser.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -42,6 +42,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     from byblock.cli.sparse_args import add_sparse_args
 
     add_sparse_args(parser)
+    from byblock.cli import bench_passkey
+
+    bench_passkey.add_args(parser)
     d = parser.add_argument_group("diffusion models (when --model is a diffusion checkpoint)")
     d.add_argument("--ar-model", default=None, help="the same-size AR model to compare with (e.g. OUT/export-ar)")
     d.add_argument("--puzzles", default=None, help="held-out puzzles JSONL (default: the model's OUT/data/test.jsonl)")
@@ -118,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
 
     if is_dllm_checkpoint(args.model):
         return run_dllm_bench(args)
+    if "passkey" in args.dataset.split(","):
+        from byblock.cli import bench_passkey
+
+        return bench_passkey.run(args)
     from byblock.bench.hardware import describe_machine
     from byblock.bench.methods import Engine, MethodRunner, MethodSpec
     from byblock.bench.report import terminal_table, update_results, write_all

@@ -8,12 +8,14 @@ import sys
 
 def add_sparse_args(parser: argparse.ArgumentParser) -> None:
     """--sparse stem and its knobs."""
-    s = parser.add_argument_group("long prompts (Stem sparse prefill, KV-cache quantization)")
+    s = parser.add_argument_group("long prompts (Stem sparse prefill, KV-cache compression and quantization)")
     s.add_argument("--kv-quant", default="none", choices=["none", "int8", "int4"], help="store the KV cache quantized")
     s.add_argument("--kv-window", type=int, default=0, help="StreamingLLM: keep the sinks + this many recent (0: off)")
     s.add_argument("--kv-sinks", type=int, default=4, help="StreamingLLM: first positions always kept")
     s.add_argument("--kv-snap", type=int, default=0, help="SnapKV: prompt positions kept per KV head (0: off)")
     s.add_argument("--kv-snap-window", type=int, default=64, help="SnapKV: observation window (last prompt tokens)")
+    s.add_argument("--kv-h2o", type=int, default=0, help="H2O: heavy-hitter slots kept per KV head (0: off)")
+    s.add_argument("--kv-h2o-recent", type=int, default=256, help="H2O: most recent slots kept per KV head")
     s.add_argument("--sparse", default="none", choices=["none", "stem"], help="sparse prefill for long prompts")
     s.add_argument("--sparsity", type=float, default=0.75, help="stem: fraction of key blocks skipped (> 0.85 warns)")
     s.add_argument("--tpd-decay", default="linear", choices=["linear", "exp"], help="stem: budget decay shape")
@@ -41,6 +43,15 @@ def enable_sparse(model, args: argparse.Namespace):
             raise ByblockError("--kv-snap does not combine with --sparse, --kv-quant or --kv-window yet")
         try:
             model.snapkv = enable_snapkv(model.hf, SnapKVConfig(args.kv_snap, args.kv_snap_window))
+        except ValueError as e:
+            raise ByblockError(str(e)) from None
+    if args.kv_h2o:
+        from byblock.models.h2o import H2OConfig, enable_h2o
+
+        if args.sparse != "none" or model.kv_bits or model.kv_window or args.kv_snap:
+            raise ByblockError("--kv-h2o does not combine with --sparse, --kv-quant, --kv-window or --kv-snap yet")
+        try:
+            model.h2o = enable_h2o(model.hf, H2OConfig(args.kv_h2o, args.kv_h2o_recent))
         except ValueError as e:
             raise ByblockError(str(e)) from None
     if args.sparse == "none":

@@ -57,6 +57,7 @@ class TargetModel:
         self.kv_bits: int | None = None  # 8 / 4: int8 / int4 KV cache (models/kv_quant.py)
         self.kv_window: StreamingWindow | None = None  # StreamingLLM sinks + window (models/kv_cache.py)
         self.snapkv = None  # SnapKVState when SnapKV is on (models/snapkv.py)
+        self.h2o = None  # H2ORuntime when H2O is on (models/h2o.py)
 
     @property
     def has_chat_template(self) -> bool:
@@ -84,7 +85,7 @@ class TargetModel:
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for one sequence batch (quantized when `kv_bits` is set)."""
-        return KVCache(self.kv_bits, self.kv_window)
+        return KVCache(self.kv_bits, self.kv_window, self.h2o.cfg if self.h2o is not None else None)
 
     def tree_attention_mask(
         self,
@@ -155,6 +156,14 @@ class TargetModel:
             mask = self.tree_attention_mask(past, positions[0], causal, cache.pos, cache.window)
         elif tree_mask is not None:
             mask = self.tree_attention_mask(past, positions[0], tree_mask, cache.pos)
+        if self.h2o is not None:  # the H2O attention function walks the new tokens itself (models/h2o.py)
+            if cache.h2o is not None and (bsz != 1 or attention_mask is not None):
+                raise ValueError("an H2O cache decodes one sequence at a time")
+            from byblock.models.h2o import tree_parents
+
+            self.h2o.active = cache.h2o
+            self.h2o.positions = positions[0]
+            self.h2o.parents = tree_parents(tree_mask) if tree_mask is not None else None
         cache.record(positions[0])
         out = self.hf(
             input_ids=input_ids,

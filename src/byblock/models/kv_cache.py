@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from byblock.models.h2o import H2OConfig, H2OState
+
 
 @dataclass(frozen=True)
 class StreamingWindow:
@@ -32,11 +34,14 @@ class StreamingWindow:
 class KVCache:
     """Key/value states of every committed token, in order of their slots."""
 
-    def __init__(self, kv_bits: int | None = None, window: StreamingWindow | None = None) -> None:
+    def __init__(
+        self, kv_bits: int | None = None, window: StreamingWindow | None = None, h2o: H2OConfig | None = None
+    ) -> None:
         """kv_bits: None keeps K/V in the model dtype; 8 or 4 stores them quantized (models/kv_quant.py).
-        window: StreamingLLM eviction (None keeps everything)."""
+        window: StreamingLLM eviction (None keeps everything). h2o: heavy-hitter eviction (models/h2o.py)."""
         self.hf = DynamicCache()
         self.window = window
+        self.h2o = H2OState(h2o) if h2o is not None else None
         self.pos = torch.empty(0, dtype=torch.long)  # [length] absolute position of each slot
         if kv_bits is not None:
             from functools import partial
@@ -60,7 +65,11 @@ class KVCache:
         self.pos = torch.cat([self.pos, positions.to(torch.long)])
 
     def evict(self) -> None:
-        """StreamingLLM: drop every slot the next query can no longer see (no-op without a window)."""
+        """Drop every slot the next query can no longer see: StreamingLLM's window, or H2O's choice after the
+        last forward's final token (a no-op without either, or when a commit already did it)."""
+        if self.h2o is not None and self.h2o.pending:
+            self._h2o_commit(len(next(iter(self.h2o.pending.values()))) - 1)
+            return
         w = self.window
         if w is None or self.length <= w.sinks + w.window - 1:
             return
@@ -68,8 +77,26 @@ class KVCache:
         keep = (self.pos < w.sinks) | (slots >= self.length - (w.window - 1))
         self.keep(slots[keep])
 
+    def _h2o_commit(self, node: int) -> None:
+        """Make the state H2O reached after the last forward's `node`-th new token the cache's state."""
+        st = self.h2o
+        assert st is not None
+        for i, layer in enumerate(self.hf.layers):
+            if not layer.is_initialized:
+                continue
+            kept = st.pending[i][node]
+            idx = kept.slots[None, ..., None].expand(1, -1, -1, layer.keys.shape[-1])  # [1, Hkv, n, D]
+            layer.keys = layer.keys.gather(2, idx)
+            layer.values = layer.values.gather(2, idx)
+            st.scores[i], st.pos[i] = kept.scores, kept.pos
+        # per-head positions differ; every head keeps its newest slots, so the last one is the same for all
+        self.pos = st.pos[0][0]
+        st.pending.clear()
+
     def crop(self, length: int) -> None:
         """Keep the first `length` slots."""
+        if self.h2o is not None:
+            raise ValueError("an H2O cache is committed node by node, never cropped")
         self.pos = self.pos[:length]
         for layer in self.hf.layers:
             if not layer.is_initialized:
@@ -82,6 +109,8 @@ class KVCache:
 
     def keep(self, slots: torch.Tensor) -> None:
         """Keep only `slots` (int64 [n], increasing), in that order: compacts a tree's accepted path."""
+        if self.h2o is not None:
+            raise ValueError("an H2O cache is committed node by node, never compacted by slots")
         self.pos = self.pos[slots]
         for layer in self.hf.layers:
             if not layer.is_initialized:
@@ -107,9 +136,14 @@ class KVCache:
     def commit(self, prefix_len: int, new_slots: torch.Tensor) -> None:
         """Keep slots [0, prefix_len) plus `new_slots` (absolute, increasing, all >= prefix_len).
 
-        A chain's accepted tokens are contiguous, so this is a plain crop; a tree's are not.
+        A chain's accepted tokens are contiguous, so this is a plain crop; a tree's are not. An H2O cache
+        instead takes the state its last forward reached at the last kept token (models/h2o.py).
         """
         n = int(new_slots.numel())
+        if self.h2o is not None and self.h2o.pending:
+            last = int(new_slots[-1]) if n else prefix_len - 1
+            self._h2o_commit(last - self.h2o.pending_past)
+            return
         if n == 0:
             self.crop(prefix_len)
         elif int(new_slots[-1]) == prefix_len + n - 1:  # contiguous right after the prefix
