@@ -48,3 +48,45 @@ def test_speculative_decoding_is_lossless_over_snapkv(arch):
 def test_sliding_window_models_are_refused():
     with pytest.raises(ValueError, match="sliding"):
         enable_snapkv(make_target("gemma3").hf, SnapKVConfig())
+
+
+def test_per_head_path_equals_the_sdpa_path():
+    """The per-head path (models/h2o.py, used on sliding-window models) is a second SnapKV implementation:
+    on a model without sliding layers both must decode the same tokens with the same logits."""
+    from byblock.models.h2o import enable_h2o
+
+    cfg = SnapKVConfig(budget=16, window=8, pool=3)
+    fast, slow = make_target("qwen3"), make_target("qwen3")
+    fast.snapkv = enable_snapkv(fast.hf, cfg)
+    slow.h2o = enable_h2o(slow.hf, None, snap=cfg)
+    ids = fast.encode_prompt(PROMPT, chat=True)
+    caches = fast.new_cache(), slow.new_cache()
+    for step in ([ids], [[7]], [[9, 11, 13]], [[5]]):
+        outs = []
+        for model, cache in zip((fast, slow), caches, strict=True):
+            cache.evict()
+            outs.append(model.forward(torch.tensor(step), cache).logits)
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    params = SamplingParams(max_new_tokens=32)
+    assert generate(fast, PROMPT, params).token_ids == generate(slow, PROMPT, params).token_ids
+
+
+def test_sliding_window_models_run_snapkv_per_head():
+    from lossless import NoisyOracleDrafter
+
+    from byblock.models.snapkv import enable_snapkv_on
+
+    target = make_target("gemma3")
+    enable_snapkv_on(target, SnapKVConfig(budget=16, window=8, pool=3))
+    assert target.snapkv is None and target.h2o is not None
+    ids = target.encode_prompt(PROMPT, chat=True)
+    cache = target.new_cache()
+    target.forward(torch.tensor([ids]), cache)
+    cache.evict()
+    assert cache.length == 16 + 8 and cache.next_position == len(ids)
+    params = SamplingParams(max_new_tokens=32)
+    plain = generate(target, PROMPT, params)
+    drafters = [NgramDrafter(NgramConfig(block_size=4)), DFlashDrafter(make_dflash(target, 5), target)]
+    drafters += [NoisyOracleDrafter(ids + plain.token_ids, 6, tree=True, vocab=target.vocab_size, seed=s) for s in (0, 1)]
+    for drafter in drafters:
+        assert generate(target, PROMPT, params, drafter=drafter).token_ids == plain.token_ids

@@ -92,9 +92,9 @@ def apply_setting(model, setting: LongSetting, stem_base, snap_window: int) -> N
         elif kind is LongKind.WINDOW:
             model.kv_window = StreamingWindow(int(setting.a), setting.b)
         elif kind is LongKind.SNAPKV:
-            from byblock.models.snapkv import SnapKVConfig, enable_snapkv
+            from byblock.models.snapkv import SnapKVConfig, enable_snapkv_on
 
-            model.snapkv = enable_snapkv(model.hf, SnapKVConfig(budget=int(setting.a), window=snap_window))
+            enable_snapkv_on(model, SnapKVConfig(budget=int(setting.a), window=snap_window))
         elif kind is LongKind.H2O:
             from byblock.models.h2o import H2OConfig, enable_h2o
 

@@ -37,12 +37,12 @@ def enable_sparse(model, args: argparse.Namespace):
         raise ByblockError("--kv-window and --kv-sinks must be >= 0")
     model.kv_window = StreamingWindow(args.kv_sinks, args.kv_window) if args.kv_window else None
     if args.kv_snap:
-        from byblock.models.snapkv import SnapKVConfig, enable_snapkv
+        from byblock.models.snapkv import SnapKVConfig, enable_snapkv_on
 
         if args.sparse != "none" or model.kv_bits or model.kv_window:
             raise ByblockError("--kv-snap does not combine with --sparse, --kv-quant or --kv-window yet")
         try:
-            model.snapkv = enable_snapkv(model.hf, SnapKVConfig(args.kv_snap, args.kv_snap_window))
+            enable_snapkv_on(model, SnapKVConfig(args.kv_snap, args.kv_snap_window))
         except ValueError as e:
             raise ByblockError(str(e)) from None
     if args.kv_h2o:

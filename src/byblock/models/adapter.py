@@ -85,7 +85,9 @@ class TargetModel:
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for one sequence batch (quantized when `kv_bits` is set)."""
-        return KVCache(self.kv_bits, self.kv_window, self.h2o.cfg if self.h2o is not None else None)
+        if self.h2o is None:
+            return KVCache(self.kv_bits, self.kv_window)
+        return KVCache(self.kv_bits, self.kv_window, self.h2o.cfg, per_head=True)
 
     def tree_attention_mask(
         self,

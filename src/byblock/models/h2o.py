@@ -60,7 +60,7 @@ class H2OState:
     """The H2O bookkeeping of one KV cache: per layer, the scores and positions of the cached slots; and,
     between a forward and its commit, every node's post-eviction state."""
 
-    cfg: H2OConfig
+    cfg: H2OConfig | None  # None: never evict after the prompt (SnapKV's one-shot selection on sliding models)
     scores: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hkv, L] float32
     pos: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hkv, L] int64
     pending: dict[int, list[HeadState]] = field(default_factory=dict)  # layer -> one state per node
@@ -69,9 +69,14 @@ class H2OState:
 
 @dataclass
 class H2ORuntime:
-    """What the attention function needs to know about the forward in flight (set by TargetModel.forward)."""
+    """What the attention function needs to know about the forward in flight (set by TargetModel.forward).
 
-    cfg: H2OConfig
+    With `snap` set the same per-head machinery runs SnapKV instead: the prompt's slots are chosen once by
+    SnapKV's observation window and decoding never evicts (used on sliding-window models, whose window must
+    be applied per head once heads keep different positions)."""
+
+    cfg: H2OConfig | None
+    snap: object = None  # SnapKVConfig
     active: H2OState | None = None  # None: plain SDPA (a cache without H2O, e.g. a cost probe)
     positions: torch.Tensor | None = None  # [T] absolute positions of the new tokens
     parents: list[int] | None = None  # tree parent of each new token (-1: the cache); None = a chain
@@ -104,15 +109,15 @@ def h2o_nodes(
     base: HeadState,
     positions: torch.Tensor,
     parents: list[int],
-    cfg: H2OConfig,
+    cfg: H2OConfig | None,
     scale: float,
     window: int | None,
 ) -> tuple[torch.Tensor, list[HeadState]]:
     """Attention for T new tokens of one layer, each over the H2O cache its own decoding step would see.
 
     query [H, T, D]; key/value [Hkv, P+T, D] (cached slots then the new tokens); base: the cache's state
-    (slots 0..P-1); positions [T]; parents[i] < i, or -1 for a token that directly follows the cache.
-    Returns the output [H, T, D] and each node's state after its own eviction."""
+    (slots 0..P-1); positions [T]; parents[i] < i, or -1 for a token that directly follows the cache;
+    cfg None: no eviction. Returns the output [H, T, D] and each node's state after its own eviction."""
     hkv, _, d = key.shape
     groups = query.shape[0] // hkv
     past = key.shape[1] - query.shape[1]
@@ -134,6 +139,9 @@ def h2o_nodes(
         weights = torch.softmax(logits, dim=-1)  # [Hkv, G, n]
         out[:, i] = (weights.to(v.dtype) @ v).view(-1, d)
         cur = HeadState(cur.slots, cur.scores + weights.sum(1), cur.pos)
+        if cfg is None:
+            states.append(cur)
+            continue
         horizon = None if window is None else q_pos + 2 - window
         states.append(_apply(cur, evict(cur.scores, cur.pos, cfg, horizon)))
     return out, states
@@ -178,9 +186,17 @@ def h2o_attention_forward(module, query, key, value, attention_mask, scaling=Non
     state.pending_past = past
     if past == 0:  # the prompt: dense, then one eviction at its end (as the reference does)
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
-        scores = prefill_scores(query[0], key[0], positions, scale, window)
         hkv = key.shape[1]
-        full = HeadState(torch.arange(t).expand(hkv, t), scores, positions.expand(hkv, t))
+        full_pos = positions.expand(hkv, t)
+        if rt.snap is not None:
+            from byblock.models.snapkv import select_positions
+
+            sel = select_positions(query, key, rt.snap, scale)  # [1, Hkv, kept] or None (prompt too short)
+            keep = sel[0] if sel is not None else torch.arange(t).expand(hkv, t)
+            state.pending[layer] = [HeadState(keep, torch.zeros(keep.shape), full_pos.gather(1, keep))]
+            return out, None
+        scores = prefill_scores(query[0], key[0], positions, scale, window)
+        full = HeadState(torch.arange(t).expand(hkv, t), scores, full_pos)
         horizon = None if window is None else int(positions[-1]) + 2 - window
         state.pending[layer] = [_apply(full, evict(scores, full.pos, state.cfg, horizon))]
         return out, None
@@ -199,14 +215,18 @@ def tree_parents(tree_mask: torch.Tensor) -> list[int]:
     return [int(idx[row].max()) if row.any() else -1 for row in strict]
 
 
-def enable_h2o(hf_model: torch.nn.Module, cfg: H2OConfig) -> H2ORuntime:
-    """Switch a transformers model to the H2O attention function; returns the runtime the adapter drives."""
+def enable_h2o(hf_model: torch.nn.Module, cfg: H2OConfig | None, snap=None) -> H2ORuntime:
+    """Switch a transformers model to the H2O attention function; returns the runtime the adapter drives.
+
+    cfg None + snap (a SnapKVConfig): SnapKV's one-shot selection through the per-head path instead."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, h2o_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
-    rt = H2ORuntime(cfg)
+    if cfg is None and snap is None:
+        raise ValueError("enable_h2o needs an H2OConfig or a SnapKVConfig")
+    rt = H2ORuntime(cfg, snap)
     tc = hf_model.config.get_text_config()
     for conf in {id(c): c for c in (hf_model.config, tc)}.values():
         conf.byblock_h2o = rt

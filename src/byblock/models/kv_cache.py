@@ -35,13 +35,18 @@ class KVCache:
     """Key/value states of every committed token, in order of their slots."""
 
     def __init__(
-        self, kv_bits: int | None = None, window: StreamingWindow | None = None, h2o: H2OConfig | None = None
+        self,
+        kv_bits: int | None = None,
+        window: StreamingWindow | None = None,
+        h2o: H2OConfig | None = None,
+        per_head: bool = False,
     ) -> None:
         """kv_bits: None keeps K/V in the model dtype; 8 or 4 stores them quantized (models/kv_quant.py).
-        window: StreamingLLM eviction (None keeps everything). h2o: heavy-hitter eviction (models/h2o.py)."""
+        window: StreamingLLM eviction (None keeps everything). h2o: heavy-hitter eviction (models/h2o.py);
+        per_head: keep per-head slot states without H2O eviction (SnapKV on sliding-window models)."""
         self.hf = DynamicCache()
         self.window = window
-        self.h2o = H2OState(h2o) if h2o is not None else None
+        self.h2o = H2OState(h2o) if h2o is not None or per_head else None
         self.pos = torch.empty(0, dtype=torch.long)  # [length] absolute position of each slot
         if kv_bits is not None:
             from functools import partial

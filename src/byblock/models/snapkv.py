@@ -110,3 +110,14 @@ def apply_selection(cache, state: SnapKVState) -> None:
     kept = next(iter(state.selections.values())).shape[-1]
     cache.pos = cache.pos[-kept:]  # slot positions are per head now; only the last (the window) is exact
     state.selections.clear()
+
+
+def enable_snapkv_on(target, cfg: SnapKVConfig) -> None:
+    """SnapKV on a TargetModel: the SDPA path above, or on sliding-window models the per-head path of
+    models/h2o.py (heads keep different positions, so the window must be applied per head)."""
+    if target.sliding_window is None:
+        target.snapkv = enable_snapkv(target.hf, cfg)
+        return
+    from byblock.models.h2o import enable_h2o
+
+    target.h2o = enable_h2o(target.hf, None, snap=cfg)
