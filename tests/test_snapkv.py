@@ -87,6 +87,7 @@ def test_sliding_window_models_run_snapkv_per_head():
     params = SamplingParams(max_new_tokens=32)
     plain = generate(target, PROMPT, params)
     drafters = [NgramDrafter(NgramConfig(block_size=4)), DFlashDrafter(make_dflash(target, 5), target)]
-    drafters += [NoisyOracleDrafter(ids + plain.token_ids, 6, tree=True, vocab=target.vocab_size, seed=s) for s in (0, 1)]
+    reference = ids + plain.token_ids
+    drafters += [NoisyOracleDrafter(reference, 6, tree=True, vocab=target.vocab_size, seed=s) for s in (0, 1)]
     for drafter in drafters:
         assert generate(target, PROMPT, params, drafter=drafter).token_ids == plain.token_ids
