@@ -11,6 +11,7 @@ from byblock import SamplingParams
 from byblock.drafters import DrafterSpec
 from byblock.drafters.adaptive import AdaptiveDrafter, CostModel, measure_verify_cost
 from byblock.drafters.dflash import DFlashDrafter
+from byblock.drafters.ngram import NgramConfig, NgramDrafter
 from byblock.errors import ByblockError
 from byblock.verify.types import Verdict
 
@@ -56,19 +57,47 @@ def test_acceptance_statistics_update():
     assert d.accepted_at.tolist() == [2, 2, 1, 1] and d.reached.tolist() == [3, 3, 3, 2]
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_adaptive_is_lossless(tiny_target, tree):
+@pytest.mark.parametrize("kind", ["chain", "tree", "hybrid"])
+def test_adaptive_is_lossless(tiny_target, kind):
+    lookup = NgramDrafter(NgramConfig(block_size=5)) if kind == "hybrid" else None
     drafter = AdaptiveDrafter(
         DFlashDrafter(make_dflash(tiny_target, block=6), tiny_target),
         tiny_target,
-        tree=tree,
+        tree=kind != "chain",
         max_budget=12,
         cost=CostModel({1: 1.0, 4: 1.2, 16: 2.0}),
+        lookup=lookup,
     )
-    for prompt in ([5, 17, 33, 9], [7, 7, 7, 7, 7, 7, 12, 40]):
+    for prompt in ([5, 17, 33, 9], [7, 7, 7, 7, 7, 7, 12, 40], [5, 17, 33, 9, 40, 41, 5, 17, 33]):
         greedy_outputs_match(tiny_target, prompt, SamplingParams(max_new_tokens=40), drafter)
+
+
+def test_adaptive_hybrid_learns_lookup_acceptance(tiny_targets):
+    target = tiny_targets["llama"]
+    free = CostModel({1: 1.0, 64: 1.0})
+    d = AdaptiveDrafter(
+        DFlashDrafter(make_dflash(target, block=6), target),
+        target,
+        tree=True,
+        cost=free,
+        lookup=NgramDrafter(NgramConfig(block_size=5)),
+    )
+    prompt = [5, 17, 33, 9, 40, 41, 5]
+    d.start(
+        prompt,
+        target.forward(torch.tensor([prompt]), target.new_cache(), hidden_layers=d.hidden_layers).hidden,
+        SamplingParams(),
+        None,
+    )
+    draft = d.propose([*prompt, 17], 5)  # lookup continues "5 17" with "33 9 40"
+    assert draft.tokens[:3].tolist() == [33, 9, 40] and draft.parents[:3].tolist() == [-1, 0, 1]
+    assert d.last_choice == draft.num_nodes  # free verification: every model node is worth adding
+    d.dflash.observe = lambda verdict, hidden: None
+    d.observe(Verdict(path=[0, 1], tokens=[33, 9, 7]), None)  # lookup right twice, then wrong
+    assert d.look_accepted[:3].tolist() == [2, 2, 1] and d.look_reached[:4].tolist() == [3, 3, 3, 2]
 
 
 def test_adaptive_flag_needs_a_block_drafter():
     with pytest.raises(ByblockError, match="--adaptive"):
         DrafterSpec.parse("ngram", adaptive=True)
+    assert DrafterSpec.parse("hybrid", adaptive=True).adaptive

@@ -64,14 +64,18 @@ class MethodSpec:
             return MethodSpec(text, Engine(body))
         adaptive = body.startswith("adaptive")
         drafter_text = body
-        if adaptive:  # adaptive[:PATH] = adaptive DFlash chain; adaptive-tree[:PATH] = adaptive DDTree budget
-            tree = body.startswith("adaptive-tree")
-            drafter_text = body.replace("adaptive-tree" if tree else "adaptive", "ddtree" if tree else "dflash", 1)
+        if adaptive:  # adaptive = DFlash chain depth; adaptive-tree = DDTree budget; adaptive-hybrid = hybrid's
+            renames = (("adaptive-tree", "ddtree"), ("adaptive-hybrid", "hybrid"), ("adaptive", "dflash"))
+            for prefix, kind_name in renames:
+                if body.startswith(prefix):
+                    drafter_text = kind_name + body[len(prefix) :]
+                    break
         knobs: dict = {"adaptive": adaptive}
         try:
             kind = DrafterKind(drafter_text.partition(":")[0])
         except ValueError:
-            known = "ar, hf, hf-lookup, ngram, model:ID, dflash, ddtree, domino, dominotree, hybrid, adaptive[-tree]"
+            known = "ar, hf, hf-lookup, ngram, model:ID, dflash, ddtree, domino, dominotree, hybrid, "
+            known += "adaptive[-tree|-hybrid]"
             raise ByblockError(f"unknown method '{text}' (choose from {known})") from None
         if size is not None:
             knobs["tree_budget" if kind in TREE_KINDS or adaptive else "block_size"] = size

@@ -68,8 +68,8 @@ class DrafterSpec:
                 raise ByblockError(f"--{knob.replace('_', '-')} must be >= 1")
         if knobs.get("block_size") is not None and knobs["block_size"] < 2:
             raise ByblockError("--block-size must be >= 2 (the anchor plus at least one drafted token)")
-        if knobs.get("adaptive") and kind not in (DrafterKind.DFLASH, DrafterKind.DDTREE):
-            raise ByblockError("--adaptive works with --drafter dflash or ddtree")
+        if knobs.get("adaptive") and kind not in (DrafterKind.DFLASH, DrafterKind.DDTREE, DrafterKind.HYBRID):
+            raise ByblockError("--adaptive works with --drafter dflash, ddtree or hybrid")
         if knobs.get("ngram_min", 1) > knobs.get("ngram_max", 3):
             raise ByblockError("--ngram-min must not exceed --ngram-max")
         return DrafterSpec(kind=kind, model=arg or None, **knobs)
@@ -92,8 +92,12 @@ def build_drafter(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"
     if spec.adaptive:
         from byblock.drafters.adaptive import AdaptiveDrafter
 
-        tree = spec.kind is DrafterKind.DDTREE
-        return AdaptiveDrafter(build_dflash(spec, target, dtype), target, tree=tree, max_budget=spec.tree_budget)
+        tree = spec.kind in (DrafterKind.DDTREE, DrafterKind.HYBRID)
+        dflash = build_dflash(spec, target, dtype)
+        lookup = None
+        if spec.kind is DrafterKind.HYBRID:
+            lookup = NgramDrafter(NgramConfig(block_size=dflash.block_size, min_n=spec.ngram_min, max_n=spec.ngram_max))
+        return AdaptiveDrafter(dflash, target, tree=tree, max_budget=spec.tree_budget, lookup=lookup)
     if spec.kind is DrafterKind.DFLASH:
         return build_dflash(spec, target, dtype)
     if spec.kind is DrafterKind.DDTREE:

@@ -9,7 +9,10 @@ The rule (measured costs, running acceptance):
                                                         accepted (Beta(1,1)-smoothed counts)
     tree:     E(N) = 1 + ρ · Σ_{first N nodes} Π p̂     Π p̂ = the drafter's own path probability; ρ = running
                                                         ratio of accepted to predicted (calibration)
-    choose    argmax_d E(d) / (draft + cost(d+1))   (chain)   or   argmax_N E(N) / (draft + cost(N+1))   (tree)
+    hybrid:   E(N) = 1 + Σ_{j ≤ L} Π_{i ≤ j} β_i        the lookup chain (L tokens, always verified: it is free
+                     + ρ · Σ_{first N model nodes off the lookup path} Π p̂    to draft) with its own running
+                                                        per-depth acceptance β; tree size = L + new model nodes
+    choose    argmax_d E(d) / (draft + cost(d+1))   (chain)   or   argmax_N E(N) / (draft + cost(size+1))   (tree)
 
 Every 8th chain round verifies the whole block, so acceptance at depths the rule stopped using stays measured.
 
@@ -26,6 +29,8 @@ import torch
 
 from byblock.drafters.ddtree import build_tree, tree_logp
 from byblock.drafters.dflash import DFlashDrafter
+from byblock.drafters.hybrid import merge_trees
+from byblock.drafters.ngram import NgramDrafter
 from byblock.models.adapter import TargetModel
 from byblock.sampling.params import SamplingParams
 from byblock.verify.types import Draft, Verdict
@@ -70,7 +75,8 @@ class CostModel:
 
 
 class AdaptiveDrafter:
-    """Wraps a DFlash drafter; picks the chain depth (or, with tree=True, the DDTree budget) per round."""
+    """Wraps a DFlash drafter; picks the chain depth (or, with tree=True, the DDTree budget) per round.
+    With `lookup` (tree only), the prompt-lookup chain is merged in as in the hybrid drafter."""
 
     name = "adaptive"
 
@@ -81,8 +87,15 @@ class AdaptiveDrafter:
         tree: bool = False,
         max_budget: int = 64,
         cost: CostModel | None = None,
+        lookup: NgramDrafter | None = None,
     ) -> None:
+        if lookup is not None and not tree:
+            raise ValueError("an adaptive chain takes no lookup drafter (use tree=True)")
         self.dflash = dflash
+        self.lookup = lookup
+        self.look_accepted = torch.ones(dflash.block_size)  # Beta(1,1) per lookup depth, as for the chain
+        self.look_reached = 2 * torch.ones(dflash.block_size)
+        self._look_len = 0
         self.tree = tree
         self.max_budget = max_budget
         self.block_size = dflash.block_size
@@ -114,7 +127,12 @@ class AdaptiveDrafter:
         depth = min(self.block_size, max_depth)
         logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
         draft_s = self.draft_s / self.rounds if self.rounds else 0.0
-        draft = self._tree(logits, draft_s) if self.tree else self._chain(logits, depth, draft_s)
+        if not self.tree:
+            draft = self._chain(logits, depth, draft_s)
+        elif self.lookup is not None:
+            draft = self._hybrid(self.lookup.propose(tokens, depth), logits, draft_s)
+        else:
+            draft = self._tree(logits, draft_s)
         self.draft_s += time.perf_counter() - t0
         self.rounds += 1
         return draft
@@ -140,6 +158,35 @@ class AdaptiveDrafter:
         toks = self.dflash.to_target(torch.tensor(ids[:n_best], dtype=torch.long))[0]
         return Draft(tokens=toks, parents=torch.tensor(parents[:n_best], dtype=torch.long))
 
+    def _hybrid(self, look: Draft, logits: torch.Tensor, draft_s: float) -> Draft:
+        """Lookup chain (always) + the profitable number of DDTree nodes, merged as a trie."""
+        logp = tree_logp(logits, self._params)
+        ids, parents = build_tree(logp, self.max_budget)
+        path_p = self._path_probs(logp, ids, parents)  # [N]
+        toks = torch.empty(0, dtype=torch.long)
+        if ids:
+            toks = self.dflash.to_target(torch.tensor(ids, dtype=torch.long))[0]
+        look_toks = look.tokens.tolist()
+        length = len(look_toks)
+        on_look: list[bool] = []  # model node i lies on the lookup path (merging it costs no node)
+        depth: list[int] = []
+        for tok, par in zip(toks.tolist(), parents, strict=True):
+            d = 0 if par < 0 else depth[par] + 1
+            depth.append(d)
+            on_look.append((par < 0 or on_look[par]) and d < length and tok == look_toks[d])
+        new = ~torch.tensor(on_look, dtype=torch.bool)
+        beta = (self.look_accepted / self.look_reached)[:length].cumprod(0)
+        rho = self.rho_num / self.rho_den
+        gain = float(beta.sum()) + rho * torch.cat([torch.zeros(1), (path_p * new).cumsum(0)])  # [N+1]
+        size = length + torch.cat([torch.zeros(1, dtype=torch.long), new.long().cumsum(0)])  # [N+1]
+        rate = [float(1 + gain[n]) / (draft_s + self.cost(int(size[n]) + 1)) for n in range(len(ids) + 1)]
+        n_best = max(range(len(rate)), key=rate.__getitem__)
+        self.last_choice = int(size[n_best])
+        self._predicted = float((path_p * new)[:n_best].sum())
+        self._look_len = length
+        model = Draft(tokens=toks[:n_best], parents=torch.tensor(parents[:n_best], dtype=torch.long))
+        return merge_trees(look, model, budget=length + n_best)
+
     @staticmethod
     def _path_probs(logp: torch.Tensor, ids: list[int], parents: list[int]) -> torch.Tensor:
         """Π p̂ along each node's path (depth = parent's depth + 1)."""
@@ -155,7 +202,13 @@ class AdaptiveDrafter:
         """Update acceptance statistics, then the backbone's context."""
         a = verdict.num_accepted
         if self.tree:
-            self.rho_num += a
+            a_look = 0  # the merged lookup chain occupies nodes 0..L-1, node j at depth j+1
+            while a_look < min(a, self._look_len) and verdict.path[a_look] == a_look:
+                a_look += 1
+            if self._look_len:
+                self.look_reached[: min(a_look + 1, self._look_len)] += 1
+                self.look_accepted[:a_look] += 1
+            self.rho_num += a - a_look
             self.rho_den += self._predicted
         else:
             reached = min(a + 1, self._depth)  # depths 1..a accepted; depth a+1 tried and rejected (if drafted)
