@@ -78,3 +78,40 @@ def test_serve_bad_input_is_one_line(tiny_llama_dir):
             assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
     r = subprocess.run([*BYBLOCK, "serve", "--model", "/nonexistent/model"], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.slow
+def test_serve_with_a_compressed_kv_cache(tiny_llama_dir):
+    """The KV flags reach the server: H2O answers equal `byblock generate` with the same flags, with and
+    without a drafter (speculative decoding stays lossless over the compressed cache)."""
+    flags = ["--kv-h2o", "6", "--kv-h2o-recent", "4"]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [*BYBLOCK, "serve", "--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--drafter", "ngram"]
+    proc = subprocess.Popen(
+        [*cmd, *flags, "--port", str(port)], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        wait_healthy(url, proc)
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+        texts = []
+        for drafter in ("ngram", "none"):
+            out = c.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=24,
+                temperature=0,
+                extra_body={"drafter": drafter},
+            )
+            texts.append(out.choices[0].message.content)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    gen = subprocess.run(
+        [*BYBLOCK, "generate", prompt, "--model", str(tiny_llama_dir), "--max-new-tokens", "24", "--json", *flags],
+        capture_output=True,
+        text=True,
+    )
+    assert gen.returncode == 0, gen.stderr
+    assert texts[0] == texts[1] == json.loads(gen.stdout)["text"]

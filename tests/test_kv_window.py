@@ -76,3 +76,29 @@ def test_kv_flags_from_the_cli(tiny_llama_dir):
     assert runs["plain"] == runs["ngram"] and runs["int4"] == runs["int4-plain"]
     bad = subprocess.run([*base, "--kv-window", "-3"], capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("keep", [0, 1, 11])
+def test_long_prefill_runs_in_window_chunks(tiny_target, keep):
+    """A prompt longer than the window is prefilled chunk by chunk with eviction between chunks; every query
+    sees the same sinks + window as under the explicit per-query mask, so outputs agree."""
+    tiny_target.kv_window = StreamingWindow(sinks=2, window=8)
+    try:
+        ids = torch.tensor([tiny_target.encode_prompt(PROMPT, chat=True)])
+        t = ids.shape[1]
+        assert t > 3 * 8
+        chunked_cache, explicit_cache = tiny_target.new_cache(), tiny_target.new_cache()
+        chunked = tiny_target.forward(ids, chunked_cache, logits_to_keep=keep, hidden_layers=(0, 1))
+        assert chunked_cache.length <= 2 + 2 * 8  # bounded during the prefill too
+        explicit = tiny_target.forward(
+            ids, explicit_cache, positions=torch.arange(t)[None], logits_to_keep=keep, hidden_layers=(0, 1)
+        )
+        torch.testing.assert_close(chunked.logits, explicit.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(chunked.hidden, explicit.hidden, rtol=1e-4, atol=1e-4)
+        for cache in (chunked_cache, explicit_cache):
+            cache.evict()
+        assert chunked_cache.pos.tolist() == explicit_cache.pos.tolist()
+        nxt = [tiny_target.forward(torch.tensor([[7]]), c).logits for c in (chunked_cache, explicit_cache)]
+        torch.testing.assert_close(nxt[0], nxt[1], rtol=1e-4, atol=1e-4)
+    finally:
+        tiny_target.kv_window = None

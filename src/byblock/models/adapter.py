@@ -122,6 +122,33 @@ class TargetModel:
         in_window = (positions[:, None] - kv_pos[None, :]) < self.sliding_window
         return {"full_attention": additive(allowed), "sliding_attention": additive(allowed & in_window)}
 
+    def _windowed_prefill(
+        self, input_ids: torch.Tensor, cache: KVCache, logits_to_keep: int, hidden_layers: tuple[int, ...]
+    ) -> ForwardOutput:
+        """A long input under a StreamingLLM window, in chunks of `window` tokens with eviction between them.
+
+        Every query still sees exactly its sinks + window (the cache before a chunk holds the sinks and the
+        window − 1 newest slots), but attention costs O(T · window) instead of O(T²) over an explicit [T, T]
+        mask, and the cache never grows past sinks + 2 · window."""
+        assert cache.window is not None
+        step = cache.window.window
+        chunks = list(torch.split(input_ids, step, dim=1))
+        need_all = logits_to_keep == 0 or logits_to_keep > chunks[-1].shape[1]
+        logits, hidden = [], []
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            cache.evict()
+            keep = 0 if need_all else (logits_to_keep if last else 1)  # 1: the least transformers computes
+            out = self.forward(chunk, cache, logits_to_keep=keep, hidden_layers=hidden_layers)
+            if need_all or last:
+                logits.append(out.logits)
+            if out.hidden is not None:
+                hidden.append(out.hidden)
+        merged = torch.cat(logits, dim=1)
+        if logits_to_keep:
+            merged = merged[:, -logits_to_keep:]
+        return ForwardOutput(logits=merged, hidden=torch.cat(hidden, dim=1) if hidden else None)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -147,6 +174,9 @@ class TargetModel:
         """
         past = cache.length
         bsz, t = input_ids.shape
+        w = cache.window
+        if w is not None and tree_mask is None and positions is None and t > w.window and bsz == 1:
+            return self._windowed_prefill(input_ids, cache, logits_to_keep, hidden_layers)
         if positions is None:
             start = cache.next_position
             positions = torch.arange(start, start + t).expand(bsz, t)
