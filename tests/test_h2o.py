@@ -211,19 +211,25 @@ def test_h2o_refuses_batches_and_crops():
         cache.crop(1)
 
 
-def test_h2o_flags_from_the_cli(tiny_llama_dir):
+def test_h2o_flags_from_the_cli(tiny_llama_dir, tmp_path):
     import json
     import subprocess
     import sys
 
+    from byblock.drafters.dflash_format import save_dflash
+    from byblock.models.loading import load_model
+
+    dflash_dir = save_dflash(make_dflash(load_model(str(tiny_llama_dir)), block=4), tmp_path / "df", torch.float32)
+
     base = [sys.executable, "-m", "byblock.cli.main", "generate", PROMPT, "--model", str(tiny_llama_dir), "--json"]
     base += ["--max-new-tokens", "24", "--kv-h2o", "6", "--kv-h2o-recent", "4"]
     runs = {}
-    for name, extra in {"plain": [], "ngram": ["--drafter", "ngram"]}.items():
+    adaptive = ["--drafter", f"dflash:{dflash_dir}", "--adaptive"]  # its cost probe must not crop an H2O cache
+    for name, extra in {"plain": [], "ngram": ["--drafter", "ngram"], "adaptive": adaptive}.items():
         r = subprocess.run([*base, *extra], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         runs[name] = json.loads(r.stdout)["token_ids"]
-    assert runs["plain"] == runs["ngram"]
+    assert runs["plain"] == runs["ngram"] == runs["adaptive"]
     for bad in (["--kv-h2o-recent", "0"], ["--kv-quant", "int8"]):
         b = subprocess.run([*base, *bad], capture_output=True, text=True)
         assert b.returncode == 2 and len(b.stderr.strip().splitlines()) == 1, b.stderr

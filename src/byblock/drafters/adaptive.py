@@ -32,6 +32,7 @@ from byblock.drafters.dflash import DFlashDrafter
 from byblock.drafters.hybrid import merge_trees
 from byblock.drafters.ngram import NgramDrafter
 from byblock.models.adapter import TargetModel
+from byblock.models.kv_cache import KVCache
 from byblock.sampling.params import SamplingParams
 from byblock.verify.types import Draft, Verdict
 
@@ -43,7 +44,7 @@ def measure_verify_cost(target: TargetModel, sizes=COST_SIZES, context: int = 12
     """Median seconds of one target forward over k new tokens after `context` cached ones, per k."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, max(11, target.vocab_size - 1), (1, context + max(sizes)), generator=g)
-    cache = target.new_cache()
+    cache = KVCache()  # a plain cache: compressed ones (H2O, windows) are committed, not cropped
     target.forward(ids[:, :context], cache, logits_to_keep=1)
     out = {}
     for k in sizes:
