@@ -3,17 +3,17 @@
 #
 #   bash benchmarks/stem_gpu.sh            # from the repository root on the GPU machine
 #
-# It makes a CUDA venv (the project's Makefile installs the CPU torch), then runs the attention-only part of
-# benchmarks/stem_ttft.py on cuda: SDPA (flash) vs Stem scoring + flex_attention block-sparse kernel at
-# 8K–128K tokens, sparsity 0.75 and 0.9, SmolLM2's head shape and a 32-head × 128 shape. Output: the markdown
-# table on stdout and $OUT/stem-gpu.md when $OUT is set. Not run yet: no session so far has been lent a GPU.
+# The GPU machine reaches no network; its image already holds a CUDA PyTorch (2.11+), so byblock runs from the
+# source tree (PYTHONPATH=src, nothing installed). It runs the attention-only part of benchmarks/stem_ttft.py on
+# cuda: SDPA (flash) vs Stem scoring + flex_attention block-sparse kernel at 8K–128K tokens, sparsity 0.75 and
+# 0.9, SmolLM2's head shape and a 32-head × 128 shape. Output: the markdown tables on stdout and in
+# $OUT/stem-gpu.md when $OUT is set. Not run yet: no session so far has been lent a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv /tmp/gpuvenv
-/tmp/gpuvenv/bin/pip install -q "torch>=2.6" "transformers>=5.24,<5.40" safetensors numpy tqdm
-/tmp/gpuvenv/bin/pip install -q --no-deps -e .
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
 for shape in "9 64" "32 128"; do
   set -- $shape
-  /tmp/gpuvenv/bin/python benchmarks/stem_ttft.py --device cuda --heads "$1" --head-dim "$2" --lengths "" \
+  timeout 140 python3 benchmarks/stem_ttft.py --device cuda --heads "$1" --head-dim "$2" --lengths "" \
       --attn-lengths 8192,32768,131072 --sparsities 0.75,0.9 --repeats 5 | tee -a "${OUT:-/tmp}/stem-gpu.md"
 done
