@@ -133,3 +133,19 @@ def test_generate_cli_on_diffusion_gemma_matches_library(tmp_path):
     assert r.returncode == 2 and "renoise" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = subprocess.run([*cmd, "--threshold", "1.5", "--sampler", "renoise"], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bench_on_the_shipped_diffusion_models(tmp_path):
+    """`byblock bench` on a diffusion checkpoint: frontier rows per sampler setting, the AR twin, the roofline,
+    report files and a RESULTS.md section."""
+    results = tmp_path / "RESULTS.md"
+    cmd = [sys.executable, "-m", "byblock.cli.main", "bench", "--model", "sudoku6-mdm", "--ar-model", "sudoku6-ar"]
+    cmd += ["--methods", "threshold@0.9,low-confidence@36", "--limit", "4", "--out", str(tmp_path / "out")]
+    cmd += ["--quiet", "--update-results", str(results), "--section", "frontier"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["report"].endswith("report.json")
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["command"].startswith("byblock bench") and (tmp_path / "out" / "frontier.png").is_file()
+    text = results.read_text()
+    assert "<!-- bench:frontier -->" in text and "threshold" in text and "low-confidence" in text

@@ -176,6 +176,25 @@ def replace_section(results_md: Path, section: str, body_markdown: str) -> None:
     results_md.write_text(text)
 
 
+def write_table_report(out: str | None, report: dict, table: str, results_md: str | None, section: str | None) -> Path:
+    """For table-shaped reports (diffusion frontier, passkey): write report.json + report.md to `out`
+    (default bench-out/<timestamp>), optionally a RESULTS.md section, print the table and a last JSON line."""
+    import datetime
+    import json
+
+    out_dir = Path(out or f"bench-out/{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "report.md").write_text(table)
+    if results_md:
+        replace_section(
+            Path(results_md), section or "", f"Measured {report['date']}, `{report['command']}`.\n\n{table}"
+        )
+    print(table, end="")
+    print(json.dumps({"report": str(out_dir / "report.json")}))
+    return out_dir
+
+
 def update_results(results_md: Path, section: str, report: dict) -> None:
     """Write a bench report's markdown into its section of RESULTS.md."""
     replace_section(results_md, section, markdown(report))

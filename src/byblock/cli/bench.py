@@ -59,7 +59,7 @@ DLLM_SWEEP = (
 def run_dllm_bench(args: argparse.Namespace) -> int:
     """Accuracy-vs-TPF frontier of every sampler setting on held-out puzzles, the AR twin, the roofline."""
     from byblock.bench.dllm import DllmMethod, load_puzzles, markdown, plot_frontier, run_frontier
-    from byblock.bench.report import replace_section
+    from byblock.bench.report import write_table_report
     from byblock.dllm.config import DllmConfig
     from byblock.errors import ByblockError
 
@@ -83,18 +83,10 @@ def run_dllm_bench(args: argparse.Namespace) -> int:
     report = run_frontier(mdm, resolve_dllm(args.ar_model) if args.ar_model else None, puzzles, methods, progress)
     report["command"] = "byblock bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     report["date"] = datetime.date.today().isoformat()
-    out_dir = Path(args.out or f"bench-out/{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
     table = markdown(report)
-    (out_dir / "report.md").write_text(table)
+    out_dir = write_table_report(args.out, report, table, args.update_results, args.section)
     if not args.no_plots:
         plot_frontier(report, out_dir / "frontier.png")
-    if args.update_results:
-        body = f"Measured {report['date']}, `{report['command']}`.\n\n{table}"
-        replace_section(Path(args.update_results), args.section, body)
-    print(table, end="")
-    print(json.dumps({"report": str(out_dir / "report.json")}))
     return 0
 
 

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shlex
 import sys
-from pathlib import Path
 
 from byblock.errors import ByblockError
 
@@ -46,10 +44,10 @@ def _numbers(text: str, kind, flag: str) -> tuple:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model once per setting, run the grid, print/write the table and report.json."""
-    from byblock.attention.stem import Backend, Decay, StemConfig
     from byblock.bench.longctx import LongSetting, PasskeyGrid, apply_setting, markdown, run_passkey
     from byblock.bench.methods import Engine, MethodRunner, MethodSpec
-    from byblock.bench.report import replace_section
+    from byblock.bench.report import write_table_report
+    from byblock.cli.sparse_args import stem_config
     from byblock.models.loading import load_model
     from byblock.sampling.params import SamplingParams
 
@@ -76,15 +74,7 @@ def run(args: argparse.Namespace) -> int:
         raise ByblockError("--dataset passkey runs byblock methods only (not hf / hf-lookup)")
     max_new = 8 if args.max_new_tokens == 128 else args.max_new_tokens
     params = SamplingParams(max_new_tokens=max_new, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    stem = StemConfig(
-        decay=Decay(args.tpd_decay),
-        alpha=args.tpd_alpha,
-        oam_beta=args.oam_beta,
-        block_size=args.sparse_block,
-        min_tokens=args.sparse_min_tokens,
-        dense_layers=args.sparse_dense_layers,
-        backend=Backend(args.sparse_backend),
-    )
+    stem = stem_config(args, 0.0)  # each stem:S setting replaces the sparsity
 
     def progress(row: dict) -> None:
         if not args.quiet:
@@ -104,14 +94,6 @@ def run(args: argparse.Namespace) -> int:
     )
     command = "byblock bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     table = markdown(rows)
-    out_dir = Path(args.out or f"bench-out/{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    out_dir.mkdir(parents=True, exist_ok=True)
     report = {"command": command, "date": datetime.date.today().isoformat(), "model": args.model, "rows": rows}
-    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "report.md").write_text(table)
-    if args.update_results:
-        body = f"Measured {report['date']}, `{command}`.\n\n{table}"
-        replace_section(Path(args.update_results), args.section, body)
-    print(table, end="")
-    print(json.dumps({"report": str(out_dir / "report.json")}))
+    write_table_report(args.out, report, table, args.update_results, args.section)
     return 0

@@ -27,6 +27,22 @@ def add_sparse_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--sparse-backend", default="flex", choices=["flex", "gather"], help="stem: block-sparse kernel")
 
 
+def stem_config(args: argparse.Namespace, sparsity: float):
+    """The StemConfig the --sparse-* / --tpd-* / --oam-beta flags describe, at `sparsity`."""
+    from byblock.attention.stem import Backend, Decay, StemConfig
+
+    return StemConfig(
+        sparsity=sparsity,
+        decay=Decay(args.tpd_decay),
+        alpha=args.tpd_alpha,
+        oam_beta=args.oam_beta,
+        block_size=args.sparse_block,
+        min_tokens=args.sparse_min_tokens,
+        dense_layers=args.sparse_dense_layers,
+        backend=Backend(args.sparse_backend),
+    )
+
+
 def enable_sparse(model, args: argparse.Namespace):
     """Apply --kv-quant; switch the model to Stem prefill when --sparse stem (returns its density log, else None)."""
     from byblock.errors import ByblockError
@@ -57,18 +73,8 @@ def enable_sparse(model, args: argparse.Namespace):
     if args.sparse == "none":
         return None
     from byblock.attention.hf_stem import enable_stem
-    from byblock.attention.stem import Backend, Decay, StemConfig
 
-    cfg = StemConfig(
-        sparsity=args.sparsity,
-        decay=Decay(args.tpd_decay),
-        alpha=args.tpd_alpha,
-        oam_beta=args.oam_beta,
-        block_size=args.sparse_block,
-        min_tokens=args.sparse_min_tokens,
-        dense_layers=args.sparse_dense_layers,
-        backend=Backend(args.sparse_backend),
-    )
+    cfg = stem_config(args, args.sparsity)
     if cfg.sparsity > 0.85:
         sys.stderr.write(f"warning: --sparsity {cfg.sparsity} > 0.85: long-context retrieval quality usually drops\n")
     return enable_stem(model.hf, cfg)
