@@ -150,7 +150,7 @@ class AdaptiveDrafter:
     def _tree(self, logits: torch.Tensor, draft_s: float) -> Draft:
         logp = tree_logp(logits, self._params)
         ids, parents = build_tree(logp, self.max_budget)
-        path_p = self._path_probs(logp, ids, parents)  # [N] in pop order
+        path_p, _ = self._path_probs(logp, ids, parents)  # [N] in pop order
         expected = 1 + (self.rho_num / self.rho_den) * path_p.cumsum(0)  # E(N) for N = 1..max
         rate = [float(expected[n - 1]) / (draft_s + self.cost(n + 1)) for n in range(1, len(ids) + 1)]
         n_best = 1 + max(range(len(rate)), key=rate.__getitem__) if rate else 0
@@ -163,17 +163,14 @@ class AdaptiveDrafter:
         """Lookup chain (always) + the profitable number of DDTree nodes, merged as a trie."""
         logp = tree_logp(logits, self._params)
         ids, parents = build_tree(logp, self.max_budget)
-        path_p = self._path_probs(logp, ids, parents)  # [N]
+        path_p, depth = self._path_probs(logp, ids, parents)  # [N], depths
         toks = torch.empty(0, dtype=torch.long)
         if ids:
             toks = self.dflash.to_target(torch.tensor(ids, dtype=torch.long))[0]
         look_toks = look.tokens.tolist()
         length = len(look_toks)
         on_look: list[bool] = []  # model node i lies on the lookup path (merging it costs no node)
-        depth: list[int] = []
-        for tok, par in zip(toks.tolist(), parents, strict=True):
-            d = 0 if par < 0 else depth[par] + 1
-            depth.append(d)
+        for tok, par, d in zip(toks.tolist(), parents, depth, strict=True):
             on_look.append((par < 0 or on_look[par]) and d < length and tok == look_toks[d])
         new = ~torch.tensor(on_look, dtype=torch.bool)
         beta = (self.look_accepted / self.look_reached)[:length].cumprod(0)
@@ -189,15 +186,15 @@ class AdaptiveDrafter:
         return merge_trees(look, model, budget=length + n_best)
 
     @staticmethod
-    def _path_probs(logp: torch.Tensor, ids: list[int], parents: list[int]) -> torch.Tensor:
-        """Π p̂ along each node's path (depth = parent's depth + 1)."""
+    def _path_probs(logp: torch.Tensor, ids: list[int], parents: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Π p̂ along each node's path [N], and each node's depth (0 = a child of the root)."""
         depth: list[int] = []
         score: list[float] = []
         for tok, par in zip(ids, parents, strict=True):
             d = 0 if par < 0 else depth[par] + 1
             depth.append(d)
             score.append((0.0 if par < 0 else score[par]) + float(logp[d, tok]))
-        return torch.tensor(score).exp()
+        return torch.tensor(score).exp(), depth
 
     def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
         """Update acceptance statistics, then the backbone's context."""

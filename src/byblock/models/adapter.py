@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from byblock.models.h2o import H2OState, tree_parents
 from byblock.models.kv_cache import KVCache, StreamingWindow
 
 
@@ -85,9 +86,8 @@ class TargetModel:
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for one sequence batch (quantized when `kv_bits` is set)."""
-        if self.h2o is None:
-            return KVCache(self.kv_bits, self.kv_window)
-        return KVCache(self.kv_bits, self.kv_window, self.h2o.cfg, per_head=True)
+        per_head = H2OState(self.h2o.cfg) if self.h2o is not None else None
+        return KVCache(self.kv_bits, self.kv_window, per_head)
 
     def tree_attention_mask(
         self,
@@ -191,8 +191,6 @@ class TargetModel:
         if self.h2o is not None:  # the H2O attention function walks the new tokens itself (models/h2o.py)
             if cache.h2o is not None and (bsz != 1 or attention_mask is not None):
                 raise ValueError("an H2O cache decodes one sequence at a time")
-            from byblock.models.h2o import tree_parents
-
             self.h2o.active = cache.h2o
             self.h2o.positions = positions[0]
             self.h2o.parents = tree_parents(tree_mask) if tree_mask is not None else None

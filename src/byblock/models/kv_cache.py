@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from byblock.models.h2o import H2OConfig, H2OState
+from byblock.models.h2o import H2OState
 
 
 @dataclass(frozen=True)
@@ -38,15 +38,14 @@ class KVCache:
         self,
         kv_bits: int | None = None,
         window: StreamingWindow | None = None,
-        h2o: H2OConfig | None = None,
-        per_head: bool = False,
+        per_head: H2OState | None = None,
     ) -> None:
         """kv_bits: None keeps K/V in the model dtype; 8 or 4 stores them quantized (models/kv_quant.py).
-        window: StreamingLLM eviction (None keeps everything). h2o: heavy-hitter eviction (models/h2o.py);
-        per_head: keep per-head slot states without H2O eviction (SnapKV on sliding-window models)."""
+        window: StreamingLLM eviction (None keeps everything). per_head: the per-head slot state of H2O, or of
+        SnapKV on sliding-window models (models/h2o.py)."""
         self.hf = DynamicCache()
         self.window = window
-        self.h2o = H2OState(h2o) if h2o is not None or per_head else None
+        self.h2o = per_head
         self.pos = torch.empty(0, dtype=torch.long)  # [length] absolute position of each slot
         if kv_bits is not None:
             from functools import partial
