@@ -52,6 +52,17 @@ def test_ngram_drafter_streams_identical_text(tiny_llama_dir):
     assert spec["drafter"] == "ngram" and spec["rounds"] >= 1 and spec["mean_accepted"] >= 1.0
 
 
+@pytest.mark.parametrize("extra", [(), ("--no-row-invariance",)])
+def test_bf16_generate_with_drafter_runs(tiny_llama_dir, extra):
+    base = ["generate", "def add(a, b):", "--model", str(tiny_llama_dir), "--max-new-tokens", "24", "--json"]
+    base += ["--dtype", "bfloat16", *extra]
+    plain = json.loads(byblock(*base).stdout)
+    spec = json.loads(byblock(*base, "--drafter", "ngram", "--block-size", "4").stdout)
+    if not extra:  # row-invariant (the bf16 default): token-identical by construction (tests/test_invariant.py)
+        assert spec["token_ids"] == plain["token_ids"]
+    assert spec["num_new_tokens"] == plain["num_new_tokens"] == 24
+
+
 def test_streaming_output_with_stats_line(tiny_llama_dir):
     r = byblock("generate", "hello", "--model", str(tiny_llama_dir), "--max-new-tokens", "8", "--no-chat")
     assert r.returncode == 0, r.stderr

@@ -96,14 +96,26 @@ def make_hf_model(arch: str, vocab_size: int = 320, seed: int = 0, **overrides):
     return model
 
 
-def make_target(arch: str = "llama", vocab_size: int = 320, seed: int = 0, **overrides):
-    """A TargetModel over a tiny random model with the tiny tokenizer."""
+def make_target(
+    arch: str = "llama",
+    vocab_size: int = 320,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    row_invariant: bool = False,
+    **overrides,
+):
+    """A TargetModel over a tiny random model with the tiny tokenizer (optionally bf16 + row-invariant)."""
     from byblock.models.adapter import TargetModel
+    from byblock.models.invariant import enable_row_invariance
 
     tok = make_tokenizer(vocab_size)
-    model = make_hf_model(arch, len(tok), seed, **overrides)
+    model = make_hf_model(arch, len(tok), seed, **overrides).to(dtype)
     model.generation_config.eos_token_id = tok.eos_token_id
-    return TargetModel(model, tok, name=f"tiny-{arch}")
+    if row_invariant:
+        enable_row_invariance(model)
+    target = TargetModel(model, tok, name=f"tiny-{arch}")
+    target.row_invariant = row_invariant
+    return target
 
 
 def save_checkpoint(arch: str, path: Path, seed: int = 0) -> Path:

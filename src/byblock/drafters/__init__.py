@@ -119,7 +119,7 @@ def build_drafter(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"
     from byblock.models.loading import load_model
 
     assert spec.model is not None
-    draft = load_model(spec.model, dtype=dtype)
+    draft = load_model(spec.model, dtype=dtype, row_invariant=False)  # drafts need no invariance
     check_same_vocabulary(draft, target)
     return ModelDrafter(draft, target_vocab=target.vocab_size, block_size=depth)
 

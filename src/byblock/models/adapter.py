@@ -59,6 +59,7 @@ class TargetModel:
         self.kv_window: StreamingWindow | None = None  # StreamingLLM sinks + window (models/kv_cache.py)
         self.snapkv = None  # SnapKVState when SnapKV is on (models/snapkv.py)
         self.h2o = None  # H2ORuntime when H2O is on (models/h2o.py)
+        self.row_invariant = False  # decode/verify forwards row-invariant (models/invariant.py)
 
     @property
     def has_chat_template(self) -> bool:

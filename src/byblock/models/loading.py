@@ -20,6 +20,7 @@ import torch
 from byblock.errors import ModelNotFoundError
 from byblock.models.adapter import TargetModel
 from byblock.models.fast_linear import dual_layout_linears, relayout_linears
+from byblock.models.invariant import enable_row_invariance
 from byblock.models.registry import BUILTIN_MODELS, resolve_builtin
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ def load_model(
     trust_remote_code: bool = False,
     attn_implementation: str = "sdpa",
     relayout: bool | str = True,
+    row_invariant: bool | None = None,
 ) -> TargetModel:
     """Load a causal LM and its tokenizer as a TargetModel.
 
@@ -131,6 +133,9 @@ def load_model(
         relayout: True: store linear weights [in, out] for faster CPU GEMV; "dual": keep both layouts and
             pick the kernel by row count (fast plain steps and fast verify forwards); False: as loaded.
             See models/fast_linear.py.
+        row_invariant: make decode and verify forwards compute each token's logits bitwise independently of
+            how many tokens share the forward, so speculative decoding is token-identical to plain decoding
+            (models/invariant.py; replaces `relayout`). None: on for bfloat16, whose CPU kernels need it.
     """
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -162,8 +167,14 @@ def load_model(
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelNotFoundError(f"cannot load model '{name_or_path}': {first}") from e
-    if relayout == "dual":
+    if row_invariant is None:
+        row_invariant = dtype == torch.bfloat16
+    if row_invariant:
+        enable_row_invariance(model)
+    elif relayout == "dual":
         dual_layout_linears(model)
     elif relayout:
         relayout_linears(model)
-    return TargetModel(model.eval(), tok, name=name_or_path)
+    target = TargetModel(model.eval(), tok, name=name_or_path)
+    target.row_invariant = row_invariant
+    return target

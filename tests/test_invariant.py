@@ -1,0 +1,148 @@
+"""Row-invariant bf16 inference (models/invariant.py): a token's logits are bitwise the same whether it is
+decoded alone or inside a verify block (chain or tree), so bf16 speculative decoding is token-identical."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lossless import NoisyOracleDrafter, greedy_outputs_match
+from tiny import ARCHS, make_target, save_checkpoint
+
+from byblock import SamplingParams, generate
+from byblock.drafters import NgramConfig, NgramDrafter
+from byblock.models.invariant import RowInvariantLinear, invariant_attention_forward
+from byblock.models.loading import load_model
+
+BF16 = torch.bfloat16
+
+
+@functools.cache
+def bf16_target(arch: str):
+    # intermediate 1536: the reduction length at which this CPU's bf16 GEMV and GEMM disagree (dev/LOG.md)
+    return make_target(arch, dtype=BF16, row_invariant=True, intermediate_size=1536)
+
+
+def test_linear_row_is_independent_of_row_count():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1536, 576, bias=True).to(BF16)
+    inv = RowInvariantLinear(lin)
+    x = torch.randn(1, 16, 1536).to(BF16)
+    full = inv(x)
+    for i in range(16):
+        assert torch.equal(inv(x[:, i : i + 1]), full[:, i : i + 1])
+    torch.testing.assert_close(full, lin(x))
+
+
+class _Module:
+    is_causal = True
+
+
+def _reference_attention(q, k, v, allowed, scale):
+    """Dense softmax attention in float64; allowed: [T, L] bool."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, 1).double()
+    v = v.repeat_interleave(group, 1).double()
+    s = (q.double() @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    return (s.softmax(-1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_attention_matches_dense_reference(mask_kind):
+    torch.manual_seed(1)
+    t, past, heads, hkv, d = 5, 11, 6, 2, 16
+    q = torch.randn(1, heads, t, d).to(BF16)
+    k = torch.randn(1, hkv, past + t, d).to(BF16)
+    v = torch.randn(1, hkv, past + t, d).to(BF16)
+    allowed = torch.ones(t, past + t, dtype=torch.bool).tril(past)
+    if mask_kind != "none":
+        allowed[3, past + 1] = False  # a tree: node 3 does not descend from node 1
+    mask = {
+        "none": None,
+        "bool": allowed[None, None],
+        "additive": torch.zeros(t, past + t).masked_fill(~allowed, torch.finfo(BF16).min).to(BF16)[None, None],
+    }[mask_kind]
+    out, _ = invariant_attention_forward(_Module(), q, k, v, mask, scaling=d**-0.5)
+    ref = _reference_attention(q, k, v, allowed, d**-0.5)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def _prefill(target, prompt):
+    cache = target.new_cache()
+    target.forward(torch.tensor([prompt]), cache, logits_to_keep=1)
+    return cache
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_block_rows_equal_single_steps_bitwise(arch):
+    t = bf16_target(arch)
+    prompt = [5, 17, 33, 2, 9, 41, 8, 100, 3, 77, 12]
+    tokens = [int(x) for x in torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(0))]
+    c1, c2 = _prefill(t, prompt), _prefill(t, prompt)
+    steps = torch.cat([t.forward(torch.tensor([[x]]), c1).logits[0] for x in tokens])  # [12, V]
+    block = torch.cat(
+        [t.forward(torch.tensor([tokens[:5]]), c2).logits[0], t.forward(torch.tensor([tokens[5:]]), c2).logits[0]]
+    )
+    assert torch.equal(block, steps)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_nodes_equal_their_paths_bitwise(arch):
+    t = bf16_target(arch)
+    prompt = [5, 17, 33, 2, 9, 41, 8, 100, 3, 77, 12]
+    # tree: 0 -> 1 -> 2, 0 -> 3 -> 4, 1 -> 5
+    toks = [50, 60, 70, 80, 90, 110]
+    parents = [-1, 0, 1, 0, 3, 1]
+    n = len(toks)
+    tree = torch.zeros(n, n, dtype=torch.bool)
+    depth = []
+    for i, p in enumerate(parents):
+        tree[i, i] = True
+        if p >= 0:
+            tree[i] |= tree[p]
+        depth.append(0 if p < 0 else depth[p] + 1)
+    cache = _prefill(t, prompt)
+    past = cache.length
+    positions = torch.tensor([[past + d for d in depth]])
+    tree_logits = t.forward(torch.tensor([toks]), cache, positions=positions, tree_mask=tree).logits[0]
+    for i in range(n):
+        path = [j for j in range(n) if tree[i, j]]  # ancestors in index order == root-to-node order
+        c = _prefill(t, prompt)
+        for j in path:
+            out = t.forward(torch.tensor([[toks[j]]]), c).logits[0, -1]
+        assert torch.equal(out, tree_logits[i]), (arch, i)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    arch=st.sampled_from(ARCHS),
+    prompt=st.lists(st.integers(3, 319), min_size=1, max_size=24),
+    block_size=st.integers(1, 16),
+    max_new=st.integers(1, 40),
+    kind=st.sampled_from(["oracle-chain", "oracle-tree", "ngram-tree"]),
+    seed=st.integers(0, 10**6),
+)
+def test_bf16_greedy_speculative_equals_plain(arch, prompt, block_size, max_new, kind, seed):
+    t = bf16_target(arch)
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    if kind == "ngram-tree":
+        drafter = NgramDrafter(NgramConfig(block_size=block_size, num_candidates=3, tree_budget=24))
+    else:
+        ref = list(prompt) + generate(t, list(prompt), SamplingParams(max_new_tokens=48, ignore_eos=True)).token_ids
+        drafter = NoisyOracleDrafter(ref, block_size, tree=kind == "oracle-tree", vocab=t.vocab_size, seed=seed)
+    greedy_outputs_match(t, list(prompt), params, drafter)
+
+
+def test_load_model_turns_invariance_on_for_bf16_only(tmp_path):
+    path = save_checkpoint("llama", tmp_path / "ckpt")
+    bf16 = load_model(str(path), dtype="bfloat16")
+    fp32 = load_model(str(path), dtype="float32")
+    off = load_model(str(path), dtype="bfloat16", row_invariant=False)
+    assert bf16.row_invariant and not fp32.row_invariant and not off.row_invariant
+    assert bf16.hf.config._attn_implementation == "byblock_invariant"
+    assert any(isinstance(m, RowInvariantLinear) for m in bf16.hf.modules())
+    assert not any(isinstance(m, RowInvariantLinear) for m in off.hf.modules())
