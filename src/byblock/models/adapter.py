@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from byblock.models.h2o import H2OState, tree_parents
+from byblock.models.invariant import RowPlan
 from byblock.models.kv_cache import KVCache, StreamingWindow
 
 
@@ -195,6 +196,10 @@ class TargetModel:
             self.h2o.active = cache.h2o
             self.h2o.positions = positions[0]
             self.h2o.parents = tree_parents(tree_mask) if tree_mask is not None else None
+        rows = getattr(self.hf.config, "byblock_row_invariance", None)
+        if rows is not None:  # models/invariant.py: how each row splits its keys, for every layer
+            visible = torch.ones(t, t, dtype=torch.bool).tril() if tree_mask is None else tree_mask
+            rows.plan = RowPlan.build(past, visible) if past > 0 else None
         cache.record(positions[0])
         out = self.hf(
             input_ids=input_ids,

@@ -24,6 +24,8 @@ speculative decoding prefill identically, so the prompt needs no invariance and 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +33,7 @@ from torch import nn
 from byblock.models.fast_linear import InOutLinear
 
 NAME = "byblock_invariant"
+ALIGN = 64  # part A of a row's keys ends on a multiple of this, at least this many slots before the row
 
 
 class RowInvariantLinear(nn.Module):
@@ -54,6 +57,61 @@ class RowInvariantLinear(nn.Module):
         return F.linear(torch.cat([x, x], dim=-2), self.weight, self.bias)[..., :1, :]
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """How each row of one decode/verify forward splits its keys (the same for every layer).
+
+    Row t of a block stands for the token at virtual slot v_t = past + depth_t (depth = its ancestors in the
+    block). Its keys, in the order plain decoding would hold them, are the cached slots [0, past) and then its
+    ancestors and itself. Part A = virtual slots [0, C_t) with C_t = ALIGN·⌊(v_t − ALIGN) / ALIGN⌋ (clamped
+    at 0) — a prefix of the cache, the same contiguous keys whichever way the row is computed; part B = the
+    rest (≤ 2·ALIGN keys), gathered per row into its own dense, zero-padded-at-the-end array."""
+
+    cut: torch.Tensor  # [T] int64: C_t
+    cuts: tuple[int, ...]  # the distinct C_t
+    index: torch.Tensor  # [T, Lb] int64: the slots of part B in order (padding points at slot 0)
+    valid: torch.Tensor  # [T, Lb] bool: False on the padding
+
+    @staticmethod
+    def build(past: int, block_visible: torch.Tensor) -> RowPlan | None:
+        """block_visible: [T, T] bool, row t sees block slot j (itself and its ancestors, slot order = path
+        order). None when some row is ALIGN or more deep (then part A would reach into the block)."""
+        t = block_visible.shape[0]
+        depth = block_visible.sum(-1) - 1  # [T]
+        if t and int(depth.max()) >= ALIGN:
+            return None
+        cut = ((past + depth - ALIGN).clamp(min=0) // ALIGN) * ALIGN  # [T]
+        n_cache = past - cut  # [T] cached keys in part B
+        width = int((n_cache + depth + 1).max())
+        j = torch.arange(width)[None]  # [1, Lb]
+        # k-th visible block slot of each row (stable sort puts visible slots first, in slot order)
+        order = torch.sort((~block_visible).to(torch.int8), dim=-1, stable=True).indices  # [T, T]
+        k = (j - n_cache[:, None]).clamp(min=0, max=t - 1)  # [T, Lb]
+        in_block = j >= n_cache[:, None]
+        valid = j < (n_cache + depth + 1)[:, None]
+        index = torch.where(in_block, past + order.gather(1, k), cut[:, None] + j)
+        index = index.masked_fill(~valid, 0)
+        return RowPlan(cut, tuple(sorted(set(cut.tolist()))), index, valid)
+
+
+@dataclass
+class RowInvariance:
+    """A model's row-invariance state: the RowPlan of the forward in flight (the adapter sets it)."""
+
+    plan: RowPlan | None = None
+
+
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., 1, K] -> [..., 2, K]: a GEMM with one row would take the GEMV path."""
+    return torch.cat([x, x], dim=-2) if x.shape[-2] == 1 else x
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with a's row count (dim −2) padded to at least 2; returns float32 [..., rows, N]."""
+    rows = a.shape[-2]
+    return (_pad_rows(a) @ b)[..., :rows, :].float()
+
+
 def invariant_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -68,6 +126,8 @@ def invariant_attention_forward(
 
     query: [B, H, T, D]; key/value: [B, Hkv, L, D] (L = past + T); attention_mask: additive or bool,
     broadcastable to [B, 1, T, L], or None (then causal). Returns ([B, T, H, D], None).
+    The adapter leaves the forward's RowPlan in the model config's RowInvariance; without one (blocks deeper
+    than ALIGN, e.g. a windowed prompt chunk) the keys are summed in one GEMM: exact, not row-invariant.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -77,11 +137,9 @@ def invariant_attention_forward(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
     group = heads // hkv
     scale = scaling if scaling is not None else dim**-0.5
-    q = query.reshape(bsz, hkv, group * t, dim)  # rows ordered (head in group, token)
     rows = group * t
-    if rows == 1:  # GEMM, not GEMV (see module docstring)
-        q = torch.cat([q, q], dim=2)
-    s = (q @ key.transpose(-1, -2))[:, :, :rows].float() * scale  # [B, Hkv, rows, L]
+    q = query.reshape(bsz, hkv, rows, dim)  # rows ordered (head in group, token)
+    s = _gemm(q, key.transpose(-1, -2)) * scale  # [B, Hkv, rows, L]: one dot product per entry, any row count
     softcap = kwargs.get("softcap")
     if softcap:
         s = torch.tanh(s / softcap) * softcap
@@ -91,18 +149,46 @@ def invariant_attention_forward(
             causal = torch.ones(t, length, dtype=torch.bool).tril(length - t)
             s = s.masked_fill(~causal, float("-inf"))
     else:
-        m = attention_mask[:, :, :, -length:]  # [B|1, 1, T, L]
-        m = m[:, :, None]  # broadcast over the group
+        m = attention_mask[:, :, None, :, -length:]  # [B|1, 1, 1, T, L]: broadcast over the group
         s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
-    s = s.view(bsz, hkv, rows, length)
-    w = torch.exp(s - s.amax(dim=-1, keepdim=True)).to(value.dtype)  # [B, Hkv, rows, L]
-    if rows == 1:
-        w = torch.cat([w, w], dim=2)
-    ones = torch.ones(*value.shape[:-1], 1, dtype=value.dtype)
-    num = (w @ value)[:, :, :rows].float()  # [B, Hkv, rows, D]
-    den = (w @ ones)[:, :, :rows].float()  # [B, Hkv, rows, 1]
+    # exp(s − max): the max is exact in any order; masked keys get weight exactly 0
+    w = torch.exp(s - s.amax(dim=-1, keepdim=True)).to(value.dtype)  # [B, Hkv, G, T, L]
+    state: RowInvariance | None = getattr(getattr(module, "config", None), "byblock_row_invariance", None)
+    plan = state.plan if state is not None else None
+    if plan is None or plan.index.shape[0] != t:
+        ones = torch.ones(*value.shape[:-1], 1, dtype=value.dtype)
+        w = w.view(bsz, hkv, rows, length)
+        num, den = _gemm(w, value), _gemm(w, ones)  # [B, Hkv, rows, D], [B, Hkv, rows, 1]
+    else:
+        num, den = _split_sums(w, value, plan)
     out = (num / den).to(query.dtype).view(bsz, heads, t, dim)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _split_sums(w: torch.Tensor, value: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ w·v and Σ w as part A (a cache prefix, one GEMM per distinct cut) + part B (per-row gathered keys).
+
+    w: [B, Hkv, G, T, L] bf16 weights; value: [B, Hkv, L, D]. Returns float32 [B, Hkv, G·T, D], [.., 1]."""
+    bsz, hkv, group, t, _ = w.shape
+    dim = value.shape[-1]
+    # Part B: [B, Hkv, T, G, Lb] weights, [B, Hkv, T, Lb, D] values; the GEMMs are batched per (head, row)
+    wb = w.gather(-1, plan.index.expand(bsz, hkv, group, *plan.index.shape)).masked_fill(~plan.valid, 0)
+    wb = wb.transpose(2, 3).contiguous()
+    vb = value[:, :, plan.index]  # [B, Hkv, T, Lb, D]
+    ones_b = torch.ones(*vb.shape[:-1], 1, dtype=value.dtype)
+    num = _gemm(wb, vb).transpose(2, 3)  # [B, Hkv, G, T, D]
+    den = _gemm(wb, ones_b).transpose(2, 3)  # [B, Hkv, G, T, 1]
+    for cut in plan.cuts:
+        if cut == 0:
+            continue
+        wa = w[..., :cut].reshape(bsz, hkv, group * t, cut)
+        va = value[:, :, :cut]
+        na = _gemm(wa, va).view(bsz, hkv, group, t, dim)
+        da = _gemm(wa, torch.ones(*va.shape[:-1], 1, dtype=value.dtype)).view(bsz, hkv, group, t, 1)
+        rows = (plan.cut == cut).view(1, 1, 1, t, 1)
+        num = torch.where(rows, na + num, num)  # fixed order: part A + part B
+        den = torch.where(rows, da + den, den)
+    return num.reshape(bsz, hkv, group * t, dim), den.reshape(bsz, hkv, group * t, 1)
 
 
 def enable_row_invariance(hf_model: nn.Module) -> int:
@@ -115,6 +201,9 @@ def enable_row_invariance(hf_model: nn.Module) -> int:
 
     AttentionInterface.register(NAME, invariant_attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
+    state = RowInvariance()
+    for conf in {id(c): c for c in (hf_model.config, hf_model.config.get_text_config())}.values():
+        conf.byblock_row_invariance = state
     count = 0
     for parent in list(hf_model.modules()):
         for name, child in list(parent.named_children()):
