@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import real_model_or_skip
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lossless import NoisyOracleDrafter, greedy_outputs_match
@@ -215,3 +216,19 @@ def test_real_tree_block_bitwise_equal_single_rows():
             _Module(plan), q[:, :, i : i + 1], k[:, :, keys], v[:, :, keys], None, scaling
         )
         assert torch.equal(one[0, 0], block[0, i]), i
+
+
+@pytest.mark.real_model
+def test_default_model_bf16_trees_token_identical():
+    """SmolLM2-135M in bf16 with the shipped drafter: DDTree and the hybrid tree emit exactly plain decoding's
+    tokens on the HumanEval prompt whose DDTree verify first exposed the zero-weight-key problem."""
+    from byblock.bench.datasets import load_humaneval
+    from byblock.drafters import DrafterSpec, build_drafter
+
+    target = real_model_or_skip(dtype="bfloat16")
+    ids = target.encode_prompt(load_humaneval(4)[3].user_turns[0], chat=False)
+    params = SamplingParams(max_new_tokens=96)
+    plain = generate(target, ids, params).token_ids
+    for spec in ("ddtree", "hybrid"):
+        drafter = build_drafter(DrafterSpec.parse(spec, tree_budget=16), target, "bfloat16")
+        assert generate(target, ids, params, drafter=drafter).token_ids == plain, spec
