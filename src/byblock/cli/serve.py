@@ -19,7 +19,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-row-invariance",
         action="store_true",
-        help="bf16: plain kernels instead of row-invariant ones (~10%% faster plain decoding, but speculative "
+        help="bf16: plain kernels instead of row-invariant ones (~13%% faster plain decoding, but speculative "
         "output may then differ from plain decoding at near-ties; models/invariant.py)",
     )
     parser.add_argument(

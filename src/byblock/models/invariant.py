@@ -9,16 +9,18 @@ must be done in an order that does not depend on the number of rows in the call.
 What this CPU's kernels do (probed in tests/test_invariant.py and dev/LOG.md, session 5):
 - bf16 GEMM (`x @ W_t`, and batched `@`) gives bitwise the same row for any row count >= 2, but a single
   row takes a different (GEMV) path. So a 1-row input is padded to 2 rows (`RowInvariantLinear`).
-- It also accumulates along the reduction axis in order, so appending or inserting keys whose softmax
-  weight is exactly 0 leaves a row unchanged: a masked verify row (extra keys after it, or a tree's
-  non-ancestors in between) equals the plain step over its visible keys.
+- Keys with softmax weight exactly 0 *after* a row's last real key (a chain row's future tokens) leave its
+  bits unchanged; zero-weight keys *between* its keys (a tree's non-ancestors) do not — a DDTree verify on
+  real activations flipped a greedy token that way (tests/data/smollm2_layer14_tree.safetensors).
 - fp32 GEMMs and SDPA's kernels are *not* row-count invariant, and neither is a `sum` over a row with
   a different number of masked entries.
 
 So decode and verify forwards (those with a cached past) use `invariant_attention_forward`: scores as one
 bf16 GEMM, softmax numerator exp(s - max) in fp32 rounded to bf16 (the max is exact in any order), and
-numerator and denominator as bf16 GEMMs of those weights with V and with a column of ones. Its precision
-is that of transformers' eager bf16 attention. The prompt (no past) goes through SDPA: plain and
+numerator and denominator as bf16 GEMMs of those weights with V and with a column of ones, split per row by a
+`RowPlan`: a cache prefix ending on an ALIGN-aligned cut (the same contiguous keys however the token is
+computed) plus the rest of its keys gathered in plain-decoding order, zero-padded only at the end. Its
+precision is that of transformers' eager bf16 attention. The prompt (no past) goes through SDPA: plain and
 speculative decoding prefill identically, so the prompt needs no invariance and keeps the fast kernel.
 """
 
