@@ -113,9 +113,7 @@ def make_target(
     model.generation_config.eos_token_id = tok.eos_token_id
     if row_invariant:
         enable_row_invariance(model)
-    target = TargetModel(model, tok, name=f"tiny-{arch}")
-    target.row_invariant = row_invariant
-    return target
+    return TargetModel(model, tok, name=f"tiny-{arch}")
 
 
 def save_checkpoint(arch: str, path: Path, seed: int = 0) -> Path:

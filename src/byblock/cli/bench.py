@@ -15,6 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from byblock.cli.dtype_args import add_dtype_args, row_invariant
 from byblock.models.registry import DEFAULT_MODEL
 
 QUICK = {"methods": "ar,ngram,dflash,ddtree", "dataset": "dev,humaneval", "limit": 3, "max_new_tokens": 64}
@@ -23,13 +24,7 @@ QUICK = {"methods": "ar,ngram,dflash,ddtree", "dataset": "dev,humaneval", "limit
 def add_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `byblock bench`."""
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument(
-        "--no-row-invariance",
-        action="store_true",
-        help="bf16: plain kernels instead of row-invariant ones (~13%% faster plain decoding, but speculative "
-        "output may then differ from plain decoding at near-ties; models/invariant.py)",
-    )
+    add_dtype_args(parser)
     parser.add_argument("--methods", default="ar,ngram,dflash", help="comma list; see byblock/bench/methods.py")
     parser.add_argument("--dataset", default="dev", help="comma list of dev | humaneval | PATH.jsonl, or passkey")
     parser.add_argument("--dataset-path", default=None, help="where the dev prompts live (default: shared data)")
@@ -148,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline not in names:
         raise ByblockError(f"--baseline '{args.baseline}' is not among --methods")
     datasets = load_datasets(args.dataset, args.dataset_path, args.limit)
-    target = load_model(args.model, dtype=args.dtype, row_invariant=False if args.no_row_invariance else None)
+    target = load_model(args.model, dtype=args.dtype, row_invariant=row_invariant(args))
     from byblock.cli.sparse_args import enable_sparse
 
     density = enable_sparse(target, args)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from byblock.cli.dtype_args import add_dtype_args, row_invariant
 from byblock.cli.sparse_args import add_sparse_args, enable_sparse
 from byblock.models.registry import DEFAULT_MODEL
 
@@ -17,13 +18,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `byblock generate`."""
     parser.add_argument("prompt", help="the prompt (a user turn; --no-chat sends it raw)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, checkpoint dir, .gguf or hub id")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights dtype")
-    parser.add_argument(
-        "--no-row-invariance",
-        action="store_true",
-        help="bf16: plain kernels instead of row-invariant ones (~13%% faster plain decoding, but speculative "
-        "output may then differ from plain decoding at near-ties; models/invariant.py)",
-    )
+    add_dtype_args(parser)
     parser.add_argument(
         "--max-new-tokens", type=int, default=None, help="default 256 (diffusion models: their answer length if set)"
     )
@@ -92,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         args.model,
         dtype=args.dtype,
         trust_remote_code=args.trust_remote_code,
-        row_invariant=False if args.no_row_invariance else None,
+        row_invariant=row_invariant(args),
     )
     density = enable_sparse(model, args)
     drafter = build_drafter(spec, model, dtype=args.dtype)

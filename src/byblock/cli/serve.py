@@ -7,6 +7,7 @@ import logging
 import socket
 import sys
 
+from byblock.cli.dtype_args import add_dtype_args, row_invariant
 from byblock.errors import ByblockError
 from byblock.models.registry import DEFAULT_MODEL
 
@@ -15,13 +16,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `byblock serve`."""
     parser.add_argument("--model", default=DEFAULT_MODEL, help="built-in name, checkpoint dir, .gguf or hub id")
     parser.add_argument("--served-model-name", default=None, help="the id clients send as 'model' (default: --model)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument(
-        "--no-row-invariance",
-        action="store_true",
-        help="bf16: plain kernels instead of row-invariant ones (~13%% faster plain decoding, but speculative "
-        "output may then differ from plain decoding at near-ties; models/invariant.py)",
-    )
+    add_dtype_args(parser)
     parser.add_argument(
         "--drafter",
         action="append",
@@ -116,7 +111,7 @@ def _ar_core(args: argparse.Namespace):
         args.model,
         dtype=args.dtype,
         trust_remote_code=args.trust_remote_code,
-        row_invariant=False if args.no_row_invariance else None,
+        row_invariant=row_invariant(args),
     )
     from byblock.cli.sparse_args import enable_sparse
 

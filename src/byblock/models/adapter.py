@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from byblock.models.h2o import H2OState, tree_parents
+from byblock.models.invariant import NAME as INVARIANT_ATTENTION
 from byblock.models.invariant import RowPlan
 from byblock.models.kv_cache import KVCache, StreamingWindow
 
@@ -60,7 +61,13 @@ class TargetModel:
         self.kv_window: StreamingWindow | None = None  # StreamingLLM sinks + window (models/kv_cache.py)
         self.snapkv = None  # SnapKVState when SnapKV is on (models/snapkv.py)
         self.h2o = None  # H2ORuntime when H2O is on (models/h2o.py)
-        self.row_invariant = False  # decode/verify forwards row-invariant (models/invariant.py)
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether decode/verify forwards run the row-invariant kernels (models/invariant.py) — not when
+        another attention function (Stem, H2O, SnapKV) has replaced them since."""
+        cfg = self.hf.config
+        return hasattr(cfg, "byblock_row_invariance") and cfg._attn_implementation == INVARIANT_ATTENTION
 
     @property
     def has_chat_template(self) -> bool:
@@ -196,10 +203,9 @@ class TargetModel:
             self.h2o.active = cache.h2o
             self.h2o.positions = positions[0]
             self.h2o.parents = tree_parents(tree_mask) if tree_mask is not None else None
-        rows = getattr(self.hf.config, "byblock_row_invariance", None)
-        if rows is not None:  # models/invariant.py: how each row splits its keys, for every layer
+        if self.row_invariant:  # models/invariant.py: how each row splits its keys, for every layer
             visible = torch.ones(t, t, dtype=torch.bool).tril() if tree_mask is None else tree_mask
-            rows.plan = RowPlan.build(past, visible) if past > 0 else None
+            self.hf.config.byblock_row_invariance.plan = RowPlan.build(past, visible) if past > 0 else None
         cache.record(positions[0])
         out = self.hf(
             input_ids=input_ids,

@@ -80,7 +80,7 @@ class RowPlan:
         order). None when some row is ALIGN or more deep (then part A would reach into the block)."""
         t = block_visible.shape[0]
         depth = block_visible.sum(-1) - 1  # [T]
-        if t and int(depth.max()) >= ALIGN:
+        if int(depth.max()) >= ALIGN:
             return None
         cut = ((past + depth - ALIGN).clamp(min=0) // ALIGN) * ALIGN  # [T]
         n_cache = past - cut  # [T] cached keys in part B

@@ -175,6 +175,4 @@ def load_model(
         dual_layout_linears(model)
     elif relayout:
         relayout_linears(model)
-    target = TargetModel(model.eval(), tok, name=name_or_path)
-    target.row_invariant = row_invariant
-    return target
+    return TargetModel(model.eval(), tok, name=name_or_path)
