@@ -4,6 +4,9 @@
 
 Work directory layout: OUT/regen (shards + manifest), OUT/train (state.pt, train.log), OUT/export (the
 DFlash checkpoint). Every stage resumes where a killed run stopped; run the same command again.
+Raw code-completion data (the HumanEval shape) in a second pass: `--stage code-prompts` writes
+OUT/code_prompts.jsonl from the coding answers in OUT/regen; regenerate it with `--regen-dir regen-code`;
+train with `--extra-data OUT/regen-code`.
 Multi-process training: `torchrun --nproc_per_node=2 -m byblock.cli.main train dflash ... --stage train`.
 """
 
@@ -23,6 +26,7 @@ class Stage(Enum):
     """Pipeline stages, in order."""
 
     REGENERATE = "regenerate"
+    CODE_PROMPTS = "code-prompts"  # not part of "all": derives raw code prompts from OUT/regen for a 2nd pass
     TRAIN = "train"
     EXPORT = "export"
     ALL = "all"
@@ -54,6 +58,7 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--topk", type=int, default=8, help="target log-probs kept per position (distillation)")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy responses")
     g.add_argument("--limit", type=int, default=None, help="regenerate only this many prompts")
+    g.add_argument("--regen-dir", default="regen", help="subdirectory of --out the regenerate stage writes")
     t = parser.add_argument_group("train")
     defaults = TrainConfig()
     for f in fields(TrainConfig):
@@ -111,7 +116,16 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             limit=args.limit,
         )
-        summary["regenerate"] = regenerate(cfg, out / "regen", progress=not args.quiet)
+        summary["regenerate"] = regenerate(cfg, out / args.regen_dir, progress=not args.quiet)
+    if stage is Stage.CODE_PROMPTS:
+        if not args.prompts:
+            raise ByblockError("--prompts (the file OUT/regen was regenerated from) is required for code-prompts")
+        from byblock.models.loading import load_model
+        from byblock.training.code_prompts import derive_from_regen, write_jsonl
+
+        tokenizer = load_model(args.target, relayout=False).tokenizer
+        derived = derive_from_regen(out / "regen", args.prompts, tokenizer)
+        summary["code_prompts"] = {"path": str(write_jsonl(derived, out / "code_prompts.jsonl")), "n": len(derived)}
     if stage in (Stage.TRAIN, Stage.EXPORT, Stage.ALL):
         from byblock.training.dflash_train import DFlashTrainer
 

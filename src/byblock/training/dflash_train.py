@@ -67,6 +67,7 @@ class TrainConfig:
     lambda_decay: float = 0.5  # base-anchored curriculum: λ goes 1 -> 0 over this fraction of the steps
     freeze_backbone: bool = False  # Domino: train only the head (the DFlash weights stay as they are)
     init_from: str = ""  # a DFlash checkpoint dir to start the backbone from (its vocabulary and mask id too)
+    extra_data: str = ""  # comma-separated regen dirs trained on beside the main one (each holds out its own)
     bf16: bool = True  # autocast matmuls to bf16 (2.7x faster GEMMs on this AVX512-BF16 CPU); weights stay fp32
     val_shards: int = 1  # the last shards are held out for τ
     val_blocks: int = 256
@@ -83,6 +84,21 @@ def _world() -> tuple[int, int]:
             dist.init_process_group("gloo")
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _read_manifest(data_dir: Path) -> dict:
+    path = data_dir / MANIFEST
+    if not path.is_file():
+        raise ByblockError(f"{data_dir} has no regenerated data (run the regenerate stage first)")
+    return json.loads(path.read_text())
+
+
+def _split_shards(data_dir: Path, val_shards: int) -> tuple[list[Path], list[Path]]:
+    """(train, held-out) shard files of one regen dir: the last `val_shards` are held out."""
+    shards = sorted(data_dir.glob("shard_*.safetensors"))
+    if len(shards) <= val_shards:
+        raise ByblockError(f"{data_dir}: {len(shards)} shards; need more than val_shards={val_shards}")
+    return shards[:-val_shards], shards[-val_shards:]
 
 
 def same_recipe(saved: dict, cfg: TrainConfig) -> bool:
@@ -142,25 +158,33 @@ class DFlashTrainer:
         self.cfg = cfg
         self.data_dir, self.out_dir = Path(data_dir), Path(out_dir)
         self.rank, self.world = _world()
-        manifest_path = self.data_dir / MANIFEST
-        if not manifest_path.is_file():
-            raise ByblockError(f"{self.data_dir} has no regenerated data (run the regenerate stage first)")
-        self.manifest = json.loads(manifest_path.read_text())
-        shards = sorted(self.data_dir.glob("shard_*.safetensors"))
-        if len(shards) <= cfg.val_shards:
-            raise ByblockError(f"{self.data_dir}: {len(shards)} shards; need more than val_shards={cfg.val_shards}")
-        self.train_paths, self.val_paths = shards[: -cfg.val_shards], shards[-cfg.val_shards :]
+        self.manifest = _read_manifest(self.data_dir)
+        extra_dirs = [Path(d) for d in cfg.extra_data.split(",") if d.strip()]
+        for d in extra_dirs:
+            m = _read_manifest(d)
+            if m["layer_ids"] != self.manifest["layer_ids"] or m["target"] != self.manifest["target"]:
+                raise ByblockError(f"{d} was regenerated with another target or feature layers than {self.data_dir}")
+        self.train_paths, self.val_paths = _split_shards(self.data_dir, cfg.val_shards)
+        # Held-out sets by name: "main" is the main dir's (its τ is the one logged and compared across runs).
+        self.val_sets: dict[str, list[Path]] = {"main": self.val_paths}
+        self.train_names = [p.name for p in self.train_paths]  # what a resume must find again
+        for d in extra_dirs:
+            train_paths, val_paths = _split_shards(d, cfg.val_shards)
+            self.train_paths += train_paths
+            self.val_sets[d.name] = val_paths
+            self.train_names += [f"{d.name}/{p.name}" for p in train_paths]
         target = load_model(target_name, dtype="float32", relayout=False)
         self.target_name = target_name
         self.embed = target.hf.get_input_embeddings().weight.detach()  # [V, H] frozen
         head = target.hf.get_output_embeddings().weight.detach()  # [V, H] frozen
         self.train = load_shards(self.train_paths)
-        self.val = load_shards(self.val_paths)
+        self.val_seqs = {name: load_shards(paths) for name, paths in self.val_sets.items()}
+        self.val = self.val_seqs["main"]
         self.train = [s for s in self.train if s.num_anchors > 0]
         state_path = self.out_dir / "state.pt"
         resumed = torch.load(state_path, weights_only=False) if state_path.is_file() else None
         if resumed is not None:
-            if not same_recipe(resumed["config"], cfg) or resumed["train_paths"] != [p.name for p in self.train_paths]:
+            if not same_recipe(resumed["config"], cfg) or resumed["train_paths"] != self.train_names:
                 raise ByblockError(f"{self.out_dir} holds a run with another recipe or data; use a new --out")
             vocab, mask_id = resumed["draft_vocab"], resumed["mask_token_id"]
             self.coverage = resumed["coverage"]
@@ -291,15 +315,23 @@ class DFlashTrainer:
         acc = (scored.argmax(-1) == labels).float().mean().item()
         return loss, {"acc": acc, "positions": int(sel.sum())}
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
+        """Offline τ on every held-out set: the main set's fields at top level, the others' τ as tau_NAME."""
+        result = self.evaluate_on(self.val)
+        for name, seqs in self.val_seqs.items():
+            if name != "main":
+                result[f"tau_{name}"] = self.evaluate_on(seqs)["tau"]
+        return result
+
+    @torch.no_grad()
+    def evaluate_on(self, val: list[Sequence]) -> dict:
         """Offline τ and per-position acceptance on held-out blocks (greedy, teacher-forced context)."""
         self.net.eval()
         g = torch.Generator().manual_seed(12345)
         block = self.cfg.block_size
         accepted_total, blocks = 0, 0
         per_pos = torch.zeros(block - 1)
-        seqs = [s for s in self.val if s.num_anchors > 0]
+        seqs = [s for s in val if s.num_anchors > 0]
         while blocks < self.cfg.val_blocks and seqs:
             chosen = [seqs[int(torch.randint(len(seqs), (1,), generator=g))] for _ in range(8)]
             anchors = [sample_anchors(s, 4, g) for s in chosen]
@@ -329,7 +361,7 @@ class DFlashTrainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         state = {
             "config": asdict(self.cfg),
-            "train_paths": [p.name for p in self.train_paths],
+            "train_paths": self.train_names,
             "draft_vocab": self.vocab,
             "mask_token_id": self.model_cfg.mask_token_id,
             "coverage": self.coverage,
@@ -360,6 +392,10 @@ class DFlashTrainer:
             save_domino(self.head, path)
         return path
 
+    def _log_eval(self, result: dict) -> None:
+        others = "".join(f", {k[4:]} {v:.3f}" for k, v in result.items() if k.startswith("tau_"))
+        log.info("step %d: held-out τ %.3f%s", self.step, result["tau"], others)
+
     def run(self, progress: bool = True, stop_after: int | None = None) -> dict:
         """Train to cfg.steps (or `stop_after` more steps); returns the last evaluation."""
         from tqdm import tqdm
@@ -380,6 +416,12 @@ class DFlashTrainer:
                 self.step,
                 cfg.steps,
             )
+        if self.rank == 0 and self.step == 0 and cfg.init_from:
+            # A continued run's starting point on this run's held-out sets: the baseline its evals beat.
+            start = self.evaluate()
+            assert logf is not None
+            logf.write(json.dumps({"step": 0, "eval": start}) + "\n")
+            self._log_eval(start)
         end = cfg.steps if stop_after is None else min(cfg.steps, self.step + stop_after)
         bar = tqdm(total=end, initial=self.step, desc="train", disable=not progress or self.rank != 0)
         last_eval: dict = {}
@@ -413,7 +455,7 @@ class DFlashTrainer:
                 assert logf is not None
                 logf.write(json.dumps({"step": self.step, "eval": last_eval}) + "\n")
                 logf.flush()
-                log.info("step %d: held-out τ %.3f", self.step, last_eval["tau"])
+                self._log_eval(last_eval)
         bar.close()
         if logf is not None:
             logf.close()
