@@ -145,3 +145,27 @@ def test_cli_code_prompts_stage(tmp_path, tiny_llama_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "code_prompts.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["shape"] == "docstring"
+
+
+def test_continued_run_grows_the_draft_vocabulary_but_domino_keeps_it(tmp_path, two_regen_dirs, tiny_llama_dir):
+    small = DFlashTrainer(str(tiny_llama_dir), two_regen_dirs / "regen", tmp_path / "s", _cfg(draft_vocab_size=12))
+    small.run(progress=False, stop_after=1)
+    start = small.export(tmp_path / "start")
+    extra = str(two_regen_dirs / "regen-code")
+    grown = DFlashTrainer(
+        str(tiny_llama_dir),
+        two_regen_dirs / "regen",
+        tmp_path / "g",
+        _cfg(draft_vocab_size=64, init_from=str(start), extra_data=extra),
+    )
+    assert len(grown.vocab) > len(small.vocab) and set(small.vocab.tolist()) <= set(grown.vocab.tolist())
+    labels = torch.cat([s.tokens[s.prompt_len :] for s in grown.train])
+    old_share = torch.isin(labels, small.vocab).float().mean().item()
+    assert grown.coverage > old_share  # the grown vocabulary covers more of the new data's labels
+    dom = DFlashTrainer(
+        str(tiny_llama_dir),
+        two_regen_dirs / "regen",
+        tmp_path / "d",
+        _cfg(draft_vocab_size=64, init_from=str(start), domino=True, freeze_backbone=True),
+    )
+    assert torch.equal(dom.vocab, small.vocab)

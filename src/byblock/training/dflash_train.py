@@ -194,7 +194,14 @@ class DFlashTrainer:
             start_model, start_vocab = load_dflash(cfg.init_from)
             vocab = start_vocab if start_vocab is not None else torch.arange(target.vocab_size)
             mask_id = start_model.config.mask_token_id
-            self.coverage = start_model.config.extra.get("draft_vocab_coverage", 1.0)
+            if start_vocab is not None and not cfg.domino and cfg.draft_vocab_size > len(vocab):
+                # New data (e.g. raw code) may use tokens the start vocabulary lacks; the backbone has no
+                # per-token weights (the head is the target's), so growing the vocabulary is free. A Domino
+                # head is indexed by draft id and must keep its backbone's vocabulary.
+                keep = set(vocab.tolist()) | set(target.eos_token_ids)
+                vocab, self.coverage = build_draft_vocab(self.train, cfg.draft_vocab_size, keep)
+            else:
+                self.coverage = start_model.config.extra.get("draft_vocab_coverage", 1.0)
         else:
             if cfg.draft_vocab_size:
                 vocab, self.coverage = build_draft_vocab(self.train, cfg.draft_vocab_size, set(target.eos_token_ids))
