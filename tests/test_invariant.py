@@ -4,6 +4,7 @@ decoded alone or inside a verify block (chain or tree), so bf16 speculative deco
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -92,14 +93,15 @@ def test_attention_matches_dense_reference(mask_kind, past, planned):
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
 
 
-def _tree_rows_vs_single(seed: int, past: int, n: int, planned: bool) -> int:
-    """How many rows of an n-node tree block differ bitwise from that token computed alone after its path."""
+def _tree_rows_vs_single(seed: int, past: int, n: int, planned: bool, chain: bool = False) -> int:
+    """How many rows of an n-node tree (or chain) block differ bitwise from that token computed alone after its
+    path."""
     g = torch.Generator().manual_seed(seed)
     heads, hkv, d = 9, 3, 64
     q = torch.randn(1, heads, n, d, generator=g).to(BF16)
     k = torch.randn(1, hkv, past + n, d, generator=g).to(BF16)
     v = torch.randn(1, hkv, past + n, d, generator=g).to(BF16)
-    tree = _random_tree(n, g)
+    tree = torch.ones(n, n, dtype=torch.bool).tril() if chain else _random_tree(n, g)
     allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), tree], dim=1)
     plan = RowPlan.build(past, tree) if planned else None
     block, _ = invariant_attention_forward(_Module(plan), q, k, v, allowed[None, None], scaling=d**-0.125)
@@ -119,6 +121,28 @@ def test_tree_rows_bitwise_equal_single_rows(past):
     """Trees with many siblings put zero-weight keys *between* a row's keys; this CPU's bf16 GEMM does not
     ignore those (it sums in pairs), so the planned split is what makes the rows bit-exact."""
     assert sum(_tree_rows_vs_single(seed, past, 17, planned=True) for seed in range(6)) == 0
+
+
+@pytest.mark.parametrize("past", [3, 40, 60, 170, 700])
+def test_chain_rows_bitwise_equal_single_rows_across_cuts(past):
+    """Chains take the slice path (no gather); blocks of 30 straddle a 64-aligned cut for most of these pasts."""
+    assert sum(_tree_rows_vs_single(seed, past, 30, planned=True, chain=True) for seed in range(3)) == 0
+
+
+@pytest.mark.parametrize("past", [5, 100, 250])
+def test_chain_slice_path_equals_gather_path(past):
+    g = torch.Generator().manual_seed(past)
+    heads, hkv, d, n = 9, 3, 64, 16
+    q = torch.randn(1, heads, n, d, generator=g).to(BF16)
+    k = torch.randn(1, hkv, past + n, d, generator=g).to(BF16)
+    v = torch.randn(1, hkv, past + n, d, generator=g).to(BF16)
+    chain = torch.ones(n, n, dtype=torch.bool).tril()
+    plan = RowPlan.build(past, chain)
+    assert plan is not None and plan.chain
+    mask = torch.cat([torch.ones(n, past, dtype=torch.bool), chain], dim=1)[None, None]
+    fast, _ = invariant_attention_forward(_Module(plan), q, k, v, mask, scaling=d**-0.5)
+    slow, _ = invariant_attention_forward(_Module(replace(plan, chain=False)), q, k, v, mask, scaling=d**-0.5)
+    assert torch.equal(fast, slow)
 
 
 def _prefill(target, prompt):

@@ -73,6 +73,7 @@ class RowPlan:
     cuts: tuple[int, ...]  # the distinct C_t
     index: torch.Tensor  # [T, Lb] int64: the slots of part B in order (padding points at slot 0)
     valid: torch.Tensor  # [T, Lb] bool: False on the padding
+    chain: bool = False  # row t sees block slots 0..t: part B is the contiguous slice [C_t, L), no gather
 
     @staticmethod
     def build(past: int, block_visible: torch.Tensor) -> RowPlan | None:
@@ -93,7 +94,8 @@ class RowPlan:
         valid = j < (n_cache + depth + 1)[:, None]
         index = torch.where(in_block, past + order.gather(1, k), cut[:, None] + j)
         index = index.masked_fill(~valid, 0)
-        return RowPlan(cut, tuple(sorted(set(cut.tolist()))), index, valid)
+        chain = bool(torch.equal(block_visible, torch.ones(t, t, dtype=torch.bool).tril()))
+        return RowPlan(cut, tuple(sorted(set(cut.tolist()))), index, valid, chain)
 
 
 @dataclass
@@ -173,6 +175,8 @@ def _split_sums(w: torch.Tensor, value: torch.Tensor, plan: RowPlan) -> tuple[to
     w: [B, Hkv, G, T, L] bf16 weights; value: [B, Hkv, L, D]. Returns float32 [B, Hkv, G·T, D], [.., 1]."""
     bsz, hkv, group, t, _ = w.shape
     dim = value.shape[-1]
+    if plan.chain:
+        return _chain_sums(w, value, plan)
     # Part B: [B, Hkv, T, G, Lb] weights, [B, Hkv, T, Lb, D] values; the GEMMs are batched per (head, row)
     wb = w.gather(-1, plan.index.expand(bsz, hkv, group, *plan.index.shape)).masked_fill(~plan.valid, 0)
     wb = wb.transpose(2, 3).contiguous()
@@ -191,6 +195,31 @@ def _split_sums(w: torch.Tensor, value: torch.Tensor, plan: RowPlan) -> tuple[to
         num = torch.where(rows, na + num, num)  # fixed order: part A + part B
         den = torch.where(rows, da + den, den)
     return num.reshape(bsz, hkv, group * t, dim), den.reshape(bsz, hkv, group * t, 1)
+
+
+def _chain_sums(w: torch.Tensor, value: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_split_sums` for a chain (plain decoding included): row t's part B is the slice [C_t, L) as it stands.
+
+    Its keys after the row's own slot (later block tokens) carry weight exactly 0 and come after every key of
+    the row, where zeros leave the row's bits alone; so the slice equals the gathered array of the general
+    path bit for bit, without gathering values (the costliest op of a 16-token verify's attention)."""
+    bsz, hkv, group, t, length = w.shape
+    dim = value.shape[-1]
+    wr = w.view(bsz, hkv, group * t, length)
+    ones = torch.ones(*value.shape[:-1], 1, dtype=value.dtype)  # [B, Hkv, L, 1]
+    num = den = None
+    for cut in plan.cuts:
+        nb, db = _gemm(wr[..., cut:], value[:, :, cut:]), _gemm(wr[..., cut:], ones[:, :, cut:])  # part B
+        if cut > 0:  # fixed order: part A + part B
+            nb = _gemm(wr[..., :cut], value[:, :, :cut]) + nb
+            db = _gemm(wr[..., :cut], ones[:, :, :cut]) + db
+        if num is None:
+            num, den = nb, db
+        else:
+            rows = (plan.cut == cut).repeat(group).view(1, 1, group * t, 1)  # rows are (head in group, token)
+            num, den = torch.where(rows, nb, num), torch.where(rows, db, den)
+    assert num is not None and den is not None
+    return num.view(bsz, hkv, group * t, dim), den.view(bsz, hkv, group * t, 1)
 
 
 def enable_row_invariance(hf_model: nn.Module) -> int:
