@@ -213,3 +213,16 @@ def test_domino_head_only_keeps_the_backbone(tmp_path, regen_dir, tiny_llama_dir
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert trainer.head is not None and trainer.head.proj_out.weight.abs().sum() > 0
+
+
+def test_draft_vocab_fills_its_budget_beyond_the_kept_tokens():
+    """Kept tokens (EOS, or a continued run's old vocabulary) are often the most frequent ones; the budget left
+    must still go to the most frequent *other* tokens."""
+    from byblock.training.dflash_data import Sequence, build_draft_vocab
+
+    z = torch.zeros(7, 1)
+    seq = Sequence(tokens=torch.tensor([9, 1, 1, 1, 2, 2, 3, 4]), prompt_len=1, hidden=z, topk_ids=z, topk_logp=z)
+    vocab, coverage = build_draft_vocab([seq], 3, {1, 2})
+    assert vocab.tolist() == [1, 2, 3] and coverage == pytest.approx(6 / 7)
+    vocab, coverage = build_draft_vocab([seq], 3, {7})
+    assert vocab.tolist() == [1, 2, 7] and coverage == pytest.approx(5 / 7)

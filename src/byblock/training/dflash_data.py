@@ -171,7 +171,8 @@ def build_draft_vocab(seqs: list[Sequence], size: int, always: set[int]) -> tupl
         for t, c in zip(ids.tolist(), n.tolist(), strict=True):
             counts[t] = counts.get(t, 0) + c
         total += len(resp)
-    chosen = set(sorted(counts, key=lambda t: -counts[t])[: max(0, size - len(always))]) | always
+    others = sorted((t for t in counts if t not in always), key=lambda t: -counts[t])
+    chosen = set(others[: max(0, size - len(always))]) | always
     vocab = torch.tensor(sorted(chosen), dtype=torch.long)
     covered = sum(counts.get(t, 0) for t in chosen)
     return vocab, covered / max(1, total)
