@@ -226,3 +226,12 @@ def test_draft_vocab_fills_its_budget_beyond_the_kept_tokens():
     assert vocab.tolist() == [1, 2, 3] and coverage == pytest.approx(6 / 7)
     vocab, coverage = build_draft_vocab([seq], 3, {7})
     assert vocab.tolist() == [1, 2, 7] and coverage == pytest.approx(5 / 7)
+
+
+def test_loss_is_finite_when_a_position_has_no_soft_target(tmp_path, regen_dir, tiny_llama_dir):
+    trainer = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "n", _cfg())
+    batch = trainer.batch_for(0, 0)
+    row = (batch.weights > 0).nonzero()[0]
+    batch.soft_ids[row[0], row[1]] = IGNORE  # every top-k token outside the draft vocabulary
+    loss, _ = trainer.loss(batch, trainer.net)
+    assert torch.isfinite(loss)

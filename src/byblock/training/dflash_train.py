@@ -285,7 +285,9 @@ class DFlashTrainer:
             return hard
         sid = batch.soft_ids[sel]  # [N, k]
         ok = sid != IGNORE
-        pt = torch.softmax(batch.soft_logp[sel].masked_fill(~ok, float("-inf")), dim=-1)  # renormalised top-k
+        # Renormalised top-k; a position whose top-k all fall outside the draft vocabulary has no soft target
+        # (softmax of all -inf is NaN: it left the gradient alone but printed loss=nan).
+        pt = torch.softmax(batch.soft_logp[sel].masked_fill(~ok, float("-inf")), dim=-1).nan_to_num(0.0)
         soft = -(pt * logp.gather(1, sid.clamp(min=0)).masked_fill(~ok, 0.0)).sum(-1)
         return (1 - self.cfg.distill) * hard + self.cfg.distill * soft
 
