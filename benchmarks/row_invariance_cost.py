@@ -1,6 +1,7 @@
 """What row invariance costs a plain bf16 decode step and a 16-token verify (same process, interleaved).
 
-Variants of SmolLM2-135M in bf16: `invariant` (byblock's default), `linears only` (padded linears, SDPA
+Variants of SmolLM2-135M in bf16: `invariant` (byblock's default), `invariant, gathered chains` (the same, but
+chains take the per-row gather path trees take: what session 5 shipped), `linears only` (padded linears, SDPA
 attention), `attention only` (invariant attention, unpadded linears), `plain` (neither). Median ms per forward
 after a 90-token prompt, 5 interleaved repetitions.
 
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from byblock.models.invariant import NAME, RowInvariantLinear
+from byblock.models.invariant import NAME, RowInvariantLinear, RowPlan
 from byblock.models.loading import load_model
 
 
@@ -38,8 +40,15 @@ def main() -> None:
     def unpadded(self, x):
         return F.linear(x, self.weight, self.bias)
 
+    sliced = RowPlan.build
+
+    def gathered(past, visible):
+        plan = sliced(past, visible)
+        return None if plan is None else replace(plan, chain=False)
+
     variants = {
         "invariant": (inv, NAME, padded),
+        "invariant, gathered chains": (inv, NAME, padded),
         "linears only": (inv, "sdpa", padded),
         "attention only": (inv, NAME, unpadded),
         "plain": (plain, None, padded),
@@ -49,6 +58,7 @@ def main() -> None:
     for _ in range(5):
         for name, (target, attn, fwd) in variants.items():
             RowInvariantLinear.forward = fwd
+            RowPlan.build = staticmethod(gathered if name == "invariant, gathered chains" else sliced)
             if attn:
                 target.hf.set_attn_implementation(attn)
             one[name].append(ms_per_forward(target, ids, 16, 1))

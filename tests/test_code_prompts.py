@@ -128,6 +128,9 @@ def test_extra_data_must_share_target_and_layers(tmp_path, two_regen_dirs, tiny_
     (other / "manifest.json").write_text(json.dumps({**manifest, "layer_ids": [0]}))
     with pytest.raises(ByblockError, match="another target or feature layers"):
         DFlashTrainer(str(tiny_llama_dir), two_regen_dirs / "regen", tmp_path / "t", _cfg(extra_data=str(other)))
+    twice = f"{two_regen_dirs / 'regen-code'},{two_regen_dirs / 'regen-code'}"
+    with pytest.raises(ByblockError, match="distinct names"):
+        DFlashTrainer(str(tiny_llama_dir), two_regen_dirs / "regen", tmp_path / "t", _cfg(extra_data=twice))
 
 
 def test_cli_code_prompts_stage(tmp_path, tiny_llama_dir):

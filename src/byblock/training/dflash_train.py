@@ -159,7 +159,10 @@ class DFlashTrainer:
         self.data_dir, self.out_dir = Path(data_dir), Path(out_dir)
         self.rank, self.world = _world()
         self.manifest = _read_manifest(self.data_dir)
-        extra_dirs = [Path(d) for d in cfg.extra_data.split(",") if d.strip()]
+        extra_dirs = [Path(d.strip()) for d in cfg.extra_data.split(",") if d.strip()]
+        names = [d.name for d in extra_dirs]
+        if len(set(names)) != len(names) or "main" in names:
+            raise ByblockError(f"--extra-data dirs need distinct names other than 'main' (got {', '.join(names)})")
         for d in extra_dirs:
             m = _read_manifest(d)
             if m["layer_ids"] != self.manifest["layer_ids"] or m["target"] != self.manifest["target"]:
