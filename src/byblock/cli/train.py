@@ -120,10 +120,10 @@ def run(args: argparse.Namespace) -> int:
     if stage is Stage.CODE_PROMPTS:
         if not args.prompts:
             raise ByblockError("--prompts (the file OUT/regen was regenerated from) is required for code-prompts")
-        from byblock.models.loading import load_model
+        from byblock.models.loading import load_tokenizer
         from byblock.training.code_prompts import derive_from_regen, write_jsonl
 
-        tokenizer = load_model(args.target, relayout=False).tokenizer
+        tokenizer = load_tokenizer(args.target)
         derived = derive_from_regen(out / "regen", args.prompts, tokenizer)
         summary["code_prompts"] = {"path": str(write_jsonl(derived, out / "code_prompts.jsonl")), "n": len(derived)}
     if stage in (Stage.TRAIN, Stage.EXPORT, Stage.ALL):

@@ -114,6 +114,21 @@ def resolve_checkpoint(name_or_path: str) -> str:
     raise ModelNotFoundError(f"unknown model '{name_or_path}': not a built-in ({known}), path or hub id")
 
 
+def load_tokenizer(name_or_path: str = "smollm2-135m", *, trust_remote_code: bool = False):
+    """Only the tokenizer of a model reference (same resolution as load_model, no weights loaded)."""
+    _quiet_transformers()
+    from transformers import AutoTokenizer
+
+    ckpt = resolve_checkpoint(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(
+            ckpt, local_files_only=not Path(ckpt).exists(), trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelNotFoundError(f"cannot load the tokenizer of '{name_or_path}': {first}") from e
+
+
 def load_model(
     name_or_path: str = "smollm2-135m",
     *,
