@@ -79,6 +79,31 @@ def test_regeneration_resumes_and_refuses_other_settings(tmp_path, regen_dir, ti
         regenerate(RegenConfig(**{**cfg.__dict__, "max_new_tokens": 9}), out, progress=False)
 
 
+def test_bf16_regeneration_and_old_manifests(tmp_path, regen_dir, tiny_llama_dir):
+    """`dtype` is part of the manifest; manifests written before it existed read as float32."""
+    from byblock.errors import ByblockError
+
+    prompts = regen_dir / "prompts.jsonl"
+    cfg = RegenConfig(
+        target=str(tiny_llama_dir), prompts=str(prompts), layer_ids=(0, 1), max_new_tokens=8, batch_size=4
+    )
+    bf = tmp_path / "bf16"
+    regenerate(RegenConfig(**{**cfg.__dict__, "dtype": "bfloat16"}), bf, progress=False)
+    assert json.loads((bf / "manifest.json").read_text())["dtype"] == "bfloat16"
+    seqs = load_shards(sorted(bf.glob("shard_*.safetensors")))
+    assert len(seqs) == len(PROMPTS)
+    for s in seqs:  # greedy: each response token is the top-1 of the distribution stored beside it
+        assert s.topk_ids[:, 0].tolist() == s.tokens[s.prompt_len :].tolist()
+    with pytest.raises(ByblockError, match="dtype"):
+        regenerate(cfg, bf, progress=False)
+    old = tmp_path / "old"
+    regenerate(RegenConfig(**{**cfg.__dict__, "limit": 4}), old, progress=False)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["dtype"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    assert regenerate(cfg, old, progress=False)["shards"] == 2
+
+
 def test_block_batch_masks_and_labels(regen_dir):
     seqs = [s for s in load_shards(sorted((regen_dir / "regen").glob("shard_*"))) if s.num_anchors >= 3]
     seq = seqs[0]

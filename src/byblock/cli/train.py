@@ -59,6 +59,12 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy responses")
     g.add_argument("--limit", type=int, default=None, help="regenerate only this many prompts")
     g.add_argument("--regen-dir", default="regen", help="subdirectory of --out the regenerate stage writes")
+    g.add_argument(
+        "--regen-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="target weights while regenerating (bfloat16: faster here, and the dtype byblock serves in)",
+    )
     t = parser.add_argument_group("train")
     defaults = TrainConfig()
     for f in fields(TrainConfig):
@@ -115,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             seed=args.seed,
             limit=args.limit,
+            dtype=args.regen_dtype,
         )
         summary["regenerate"] = regenerate(cfg, out / args.regen_dir, progress=not args.quiet)
     if stage is Stage.CODE_PROMPTS:

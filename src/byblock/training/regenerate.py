@@ -42,6 +42,9 @@ class RegenConfig:
     temperature: float = 0.0  # 0 = greedy responses (what greedy speculative decoding will verify)
     seed: int = 0
     limit: int | None = None  # use only the first `limit` prompts of the shuffled order
+    # The target's weights while regenerating. bf16 matches how byblock serves it by default and its GEMMs are
+    # ~2.7x faster on AVX512-BF16 CPUs; features and top-k are stored in bf16 / fp32 either way.
+    dtype: str = "float32"
 
     def manifest_key(self) -> dict:
         """The fields a resumed run must agree on (limit may grow: shards are a prefix of one order)."""
@@ -197,7 +200,7 @@ def _check_manifest(out_dir: Path, cfg: RegenConfig, extra: dict) -> None:
     path = out_dir / MANIFEST
     want = {**cfg.manifest_key(), **extra}
     if path.is_file():
-        have = json.loads(path.read_text())
+        have = {"dtype": "float32", **json.loads(path.read_text())}  # manifests before `dtype` were fp32
         if have != want:
             diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))
             raise ByblockError(f"{out_dir} holds data regenerated with different settings ({', '.join(diff)})")
@@ -229,7 +232,8 @@ def regenerate(cfg: RegenConfig, out_dir: str | Path, progress: bool = True) -> 
     from byblock.models.loading import load_model
 
     out_dir = Path(out_dir)
-    target = load_model(cfg.target, dtype="float32", relayout=False)
+    # Batched regeneration is not a verify path: plain kernels (row invariance would only slow it down).
+    target = load_model(cfg.target, dtype=cfg.dtype, relayout=False, row_invariant=False)
     bad = [i for i in cfg.layer_ids if not 0 <= i < target.num_layers]
     if bad:
         raise ByblockError(f"layer ids {bad} out of range for a {target.num_layers}-layer target")
