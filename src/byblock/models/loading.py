@@ -114,6 +114,12 @@ def resolve_checkpoint(name_or_path: str) -> str:
     raise ModelNotFoundError(f"unknown model '{name_or_path}': not a built-in ({known}), path or hub id")
 
 
+def _first_line(e: Exception) -> str:
+    """A loader exception as one line (transformers' messages run to paragraphs)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def load_tokenizer(name_or_path: str = "smollm2-135m", *, trust_remote_code: bool = False):
     """Only the tokenizer of a model reference (same resolution as load_model, no weights loaded)."""
     _quiet_transformers()
@@ -125,8 +131,7 @@ def load_tokenizer(name_or_path: str = "smollm2-135m", *, trust_remote_code: boo
             ckpt, local_files_only=not Path(ckpt).exists(), trust_remote_code=trust_remote_code
         )
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelNotFoundError(f"cannot load the tokenizer of '{name_or_path}': {first}") from e
+        raise ModelNotFoundError(f"cannot load the tokenizer of '{name_or_path}': {_first_line(e)}") from e
 
 
 def load_model(
@@ -180,8 +185,7 @@ def load_model(
                 ckpt, dtype=dtype, attn_implementation=attn_implementation, **kwargs
             )
     except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelNotFoundError(f"cannot load model '{name_or_path}': {first}") from e
+        raise ModelNotFoundError(f"cannot load model '{name_or_path}': {_first_line(e)}") from e
     if row_invariant is None:
         row_invariant = dtype == torch.bfloat16
     if row_invariant:
