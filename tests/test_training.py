@@ -104,6 +104,17 @@ def test_bf16_regeneration_and_old_manifests(tmp_path, regen_dir, tiny_llama_dir
     assert regenerate(cfg, old, progress=False)["shards"] == 2
 
 
+def test_model_config_without_weights(tmp_path, tiny_llama_dir):
+    """The regenerate stage reads the layer count from the config alone; a bad reference is one line."""
+    from byblock.errors import ModelNotFoundError
+    from byblock.models.loading import load_model_config
+
+    cfg = load_model_config(str(tiny_llama_dir))
+    assert cfg.get_text_config().num_hidden_layers == load_model(str(tiny_llama_dir)).num_layers
+    with pytest.raises(ModelNotFoundError, match="not a checkpoint directory"):
+        load_model_config(str(tmp_path))
+
+
 def test_block_batch_masks_and_labels(regen_dir):
     seqs = [s for s in load_shards(sorted((regen_dir / "regen").glob("shard_*"))) if s.num_anchors >= 3]
     seq = seqs[0]

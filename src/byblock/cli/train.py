@@ -106,10 +106,10 @@ def run(args: argparse.Namespace) -> int:
     if stage in (Stage.REGENERATE, Stage.ALL) and args.method == "dflash":
         if not args.prompts:
             raise ByblockError("--prompts is required to regenerate")
-        from byblock.models.loading import load_model
+        from byblock.models.loading import load_model_config
         from byblock.training.regenerate import regenerate
 
-        num_layers = load_model(args.target, relayout=False).num_layers
+        num_layers = load_model_config(args.target).get_text_config().num_hidden_layers
         cfg = RegenConfig(
             target=args.target,
             prompts=args.prompts,

@@ -134,6 +134,20 @@ def load_tokenizer(name_or_path: str = "smollm2-135m", *, trust_remote_code: boo
         raise ModelNotFoundError(f"cannot load the tokenizer of '{name_or_path}': {_first_line(e)}") from e
 
 
+def load_model_config(name_or_path: str = "smollm2-135m", *, trust_remote_code: bool = False):
+    """Only the transformers config of a model reference (same resolution as load_model, no weights loaded)."""
+    _quiet_transformers()
+    from transformers import AutoConfig
+
+    ckpt = resolve_checkpoint(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(
+            ckpt, local_files_only=not Path(ckpt).exists(), trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(f"cannot load the config of '{name_or_path}': {_first_line(e)}") from e
+
+
 def load_model(
     name_or_path: str = "smollm2-135m",
     *,
