@@ -229,7 +229,10 @@ def test_domino_training_from_a_dflash_checkpoint(tmp_path, regen_dir, tiny_llam
     _, final = trainer.draft_logits(batch, trainer.net)
     base_logits, _ = trainer.draft_logits(batch, trainer.net)
     torch.testing.assert_close(final, base_logits.float())  # zero-initialised residual: Domino == DFlash
+    start = trainer.evaluate_on(trainer.val)
+    assert start["tau"] == start["base_tau"]  # the backbone's own chain is reported beside the corrected one
     trainer.run(progress=False)
+    assert "base_tau" not in base.evaluate_on(base.val)
     assert trainer.curriculum() == 0.0
     out = trainer.export(tmp_path / "domino")
     target = load_model(str(tiny_llama_dir))
@@ -239,6 +242,9 @@ def test_domino_training_from_a_dflash_checkpoint(tmp_path, regen_dir, tiny_llam
 
 
 def test_domino_head_only_keeps_the_backbone(tmp_path, regen_dir, tiny_llama_dir):
+    from byblock.drafters.domino import load_domino
+    from byblock.errors import ByblockError
+
     base = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "d", _cfg(steps=5, ckpt_every=100))
     base.run(progress=False)
     dflash_dir = base.export(tmp_path / "dflash")
@@ -249,6 +255,18 @@ def test_domino_head_only_keeps_the_backbone(tmp_path, regen_dir, tiny_llama_dir
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert trainer.head is not None and trainer.head.proj_out.weight.abs().sum() > 0
+    # A joint run from the exported pair starts from both: the backbone and the trained head (as stored, bf16).
+    pair = trainer.export(tmp_path / "pair")
+    joint = DFlashTrainer(
+        str(tiny_llama_dir), regen_dir / "regen", tmp_path / "joint", _cfg(domino=True, init_from=str(pair))
+    )
+    stored = load_domino(pair, joint.model_cfg.hidden_size).state_dict()
+    for k, v in joint.head.state_dict().items():
+        assert torch.equal(v, stored[k]), k
+    with pytest.raises(ByblockError, match="another shape"):
+        DFlashTrainer(
+            str(tiny_llama_dir), regen_dir / "regen", tmp_path / "j2", _cfg(domino=True, init_from=str(pair), emb_dim=8)
+        )
 
 
 def test_draft_vocab_fills_its_budget_beyond_the_kept_tokens():

@@ -97,12 +97,17 @@ def save_domino(head: DominoHead, dflash_dir: str | Path) -> None:
     (dflash_dir / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def has_domino(dflash_dir: str | Path) -> bool:
+    """Whether a DFlash checkpoint directory carries a Domino head."""
+    return (Path(dflash_dir) / CONFIG_FILE).is_file() and (Path(dflash_dir) / HEAD_FILE).is_file()
+
+
 def load_domino(dflash_dir: str | Path, hidden_size: int, dtype: torch.dtype = torch.float32) -> DominoHead:
     """The Domino head stored beside a DFlash checkpoint (a one-line error when there is none)."""
     from safetensors.torch import load_file
 
     dflash_dir = Path(dflash_dir)
-    if not (dflash_dir / CONFIG_FILE).is_file() or not (dflash_dir / HEAD_FILE).is_file():
+    if not has_domino(dflash_dir):
         raise ByblockError(f"{dflash_dir} has no Domino head (train one with `byblock train domino`)")
     raw = json.loads((dflash_dir / CONFIG_FILE).read_text())
     cfg = DominoConfig(

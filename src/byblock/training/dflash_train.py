@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from byblock.drafters.dflash_model import DFlashConfig, DFlashDraftModel, init_from_target
-from byblock.drafters.domino import DominoConfig, DominoHead, save_domino
+from byblock.drafters.domino import DominoConfig, DominoHead, has_domino, load_domino, save_domino
 from byblock.errors import ByblockError
 from byblock.training.dflash_data import (
     IGNORE,
@@ -108,6 +108,13 @@ def same_recipe(saved: dict, cfg: TrainConfig) -> bool:
     return all(current.get(k) == v for k, v in saved.items()) and all(
         current[k] == default[k] for k in current if k not in saved
     )
+
+
+def _accepted_runs(logits: torch.Tensor, labels: torch.Tensor, has_label: torch.Tensor, block: int) -> torch.Tensor:
+    """Greedy acceptance of teacher-forced blocks: logits [b, T, Vd], labels [b, T] -> [n, B−1] 0/1 runs that
+    stop at the first miss, for the n blocks with a real next token."""
+    hit = (logits.argmax(-1) == labels) & (labels != IGNORE)  # [b, T]
+    return hit.view(-1, block)[:, 1:].long().cumprod(-1)[has_label]
 
 
 def pick_mask_token(tokenizer, seqs: list[Sequence], eos: frozenset[int], vocab_size: int) -> int:
@@ -244,6 +251,12 @@ class DFlashTrainer:
         if cfg.domino:
             dcfg = DominoConfig(self.model_cfg.hidden_size, len(vocab), cfg.gru_hidden_dim, cfg.emb_dim)
             self.head = DominoHead(dcfg)
+            if cfg.init_from and resumed is None and has_domino(cfg.init_from):
+                # Warm start: the head trained on this backbone (e.g. frozen) continues, jointly or not.
+                start_head = load_domino(cfg.init_from, self.model_cfg.hidden_size)
+                if start_head.config != dcfg:
+                    raise ByblockError(f"the Domino head in {cfg.init_from} has another shape than this recipe's")
+                self.head.load_state_dict(start_head.state_dict())
         if cfg.freeze_backbone and not cfg.domino:
             raise ByblockError("--freeze-backbone only makes sense with --domino")
         self.net = _Net(self.model, self.head, cfg.freeze_backbone)
@@ -332,16 +345,22 @@ class DFlashTrainer:
         result = self.evaluate_on(self.val)
         for name, seqs in self.val_seqs.items():
             if name != "main":
-                result[f"tau_{name}"] = self.evaluate_on(seqs)["tau"]
+                other = self.evaluate_on(seqs)
+                result[f"tau_{name}"] = other["tau"]
+                if "base_tau" in other:
+                    result[f"base_tau_{name}"] = other["base_tau"]
         return result
 
     @torch.no_grad()
     def evaluate_on(self, val: list[Sequence]) -> dict:
-        """Offline τ and per-position acceptance on held-out blocks (greedy, teacher-forced context)."""
+        """Offline τ and per-position acceptance on held-out blocks (greedy, teacher-forced context).
+
+        With a Domino head, τ is the corrected chain's and `base_tau` the backbone's own (the DFlash chain the
+        same weights give without the head) — a joint run must not buy one with the other."""
         self.net.eval()
         g = torch.Generator().manual_seed(12345)
         block = self.cfg.block_size
-        accepted_total, blocks = 0, 0
+        accepted_total, base_total, blocks = 0, 0, 0
         per_pos = torch.zeros(block - 1)
         seqs = [s for s in val if s.num_anchors > 0]
         while blocks < self.cfg.val_blocks and seqs:
@@ -351,18 +370,20 @@ class DFlashTrainer:
             base, final = self.draft_logits(batch, self.net)
             # Teacher forcing is exact here: acceptance stops at the first miss, so every position that
             # counts saw a prefix equal to the true tokens, as the Domino GRU does at inference.
-            pred = (base if final is None else final).argmax(-1)  # [b, T] draft ids
-            hit = (pred == batch.labels) & (batch.labels != IGNORE)  # [b, T]
             # A block only counts positions with a real next token; acceptance stops at the first miss.
-            hit = hit.view(-1, block)[:, 1:]  # [blocks, B-1]
             has_label = (batch.labels.view(-1, block)[:, 1] != IGNORE) | (batch.weights.view(-1, block)[:, 1] > 0)
-            run = hit.long().cumprod(-1)[has_label]  # [n, B-1]
+            run = _accepted_runs(base if final is None else final, batch.labels, has_label, block)
             accepted_total += int(run.sum())
             per_pos += run.float().sum(0)
             blocks += int(has_label.sum())
+            if final is not None:
+                base_total += int(_accepted_runs(base, batch.labels, has_label, block).sum())
         self.net.train()
         n = max(1, blocks)
-        return {"tau": 1 + accepted_total / n, "per_position": (per_pos / n).tolist(), "blocks": blocks}
+        result = {"tau": 1 + accepted_total / n, "per_position": (per_pos / n).tolist(), "blocks": blocks}
+        if self.head is not None:
+            result["base_tau"] = 1 + base_total / n
+        return result
 
     # ---- the loop -----------------------------------------------------------------------------------------
 
@@ -405,8 +426,12 @@ class DFlashTrainer:
         return path
 
     def _log_eval(self, result: dict) -> None:
-        others = "".join(f", {k[4:]} {v:.3f}" for k, v in result.items() if k.startswith("tau_"))
-        log.info("step %d: held-out τ %.3f%s", self.step, result["tau"], others)
+        def tau(name: str, key: str) -> str:
+            base = result.get(f"base_{key}")
+            return f"{name} {result[key]:.3f}" + ("" if base is None else f" (base {base:.3f})")
+
+        others = "".join(", " + tau(k[4:], k) for k in result if k.startswith("tau_"))
+        log.info("step %d: held-out %s%s", self.step, tau("τ", "tau"), others)
 
     def run(self, progress: bool = True, stop_after: int | None = None) -> dict:
         """Train to cfg.steps (or `stop_after` more steps); returns the last evaluation."""
