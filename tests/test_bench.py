@@ -60,6 +60,9 @@ def test_bench_end_to_end(tmp_path, tiny_llama_dir, tiny_drafter):
         assert row["mismatched_turns"] == 0, name  # every method token-identical to ar
         assert (row["tau"] is None) == name.startswith("hf")  # τ is byblock's; plain decoding has τ = 1
         assert name != "ar" or row["tau"] == 1.0
+        if row["tau"] is not None:  # τ pools rounds over turns, so it lies within the per-turn values
+            assert len(row["per_turn_tau"]) == 4
+            assert min(row["per_turn_tau"]) - 1e-3 <= row["tau"] <= max(row["per_turn_tau"]) + 1e-3
         assert last["results"]["prompts"][name]["lossless"] in (True, None)
     for f in ("speedup.png", "tau_hist.png", "speedup_vs_size.png", "report.md"):
         assert (tmp_path / "out" / f).is_file(), f

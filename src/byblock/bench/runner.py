@@ -34,6 +34,7 @@ class MethodTotals:
     turns: int = 0
     mismatched_turns: int = 0
     per_prompt_tok_s: list[float] = field(default_factory=list)
+    per_turn_tau: list[float] = field(default_factory=list)  # one long accepted run can carry a whole mean
 
     def add(self, r: TurnResult) -> None:
         """Fold one turn in."""
@@ -48,6 +49,8 @@ class MethodTotals:
             return
         self.rounds += s.rounds
         self.emitted += s.emitted_by_rounds
+        if s.rounds:
+            self.per_turn_tau.append(round(s.emitted_by_rounds / s.rounds, 4))
         self.draft_s += s.draft_s
         self.verify_s += s.verify_s
         for mine, theirs in (
@@ -85,6 +88,7 @@ class MethodTotals:
                 if spec and baseline_tok_s
                 else None
             ),
+            "per_turn_tau": self.per_turn_tau if spec else None,
             "turns": self.turns,
             "mismatched_turns": self.mismatched_turns,
         }
