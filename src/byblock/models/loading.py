@@ -120,32 +120,30 @@ def _first_line(e: Exception) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def load_tokenizer(name_or_path: str = "smollm2-135m", *, trust_remote_code: bool = False):
-    """Only the tokenizer of a model reference (same resolution as load_model, no weights loaded)."""
+def _load_part(what: str, auto_class, name_or_path: str, trust_remote_code: bool):
+    """One piece of a checkpoint (tokenizer, config) without its weights; errors as one line."""
     _quiet_transformers()
-    from transformers import AutoTokenizer
-
     ckpt = resolve_checkpoint(name_or_path)
     try:
-        return AutoTokenizer.from_pretrained(
+        return auto_class.from_pretrained(
             ckpt, local_files_only=not Path(ckpt).exists(), trust_remote_code=trust_remote_code
         )
     except (OSError, ValueError) as e:
-        raise ModelNotFoundError(f"cannot load the tokenizer of '{name_or_path}': {_first_line(e)}") from e
+        raise ModelNotFoundError(f"cannot load the {what} of '{name_or_path}': {_first_line(e)}") from e
+
+
+def load_tokenizer(name_or_path: str = "smollm2-135m", *, trust_remote_code: bool = False):
+    """Only the tokenizer of a model reference (same resolution as load_model, no weights loaded)."""
+    from transformers import AutoTokenizer
+
+    return _load_part("tokenizer", AutoTokenizer, name_or_path, trust_remote_code)
 
 
 def load_model_config(name_or_path: str = "smollm2-135m", *, trust_remote_code: bool = False):
     """Only the transformers config of a model reference (same resolution as load_model, no weights loaded)."""
-    _quiet_transformers()
     from transformers import AutoConfig
 
-    ckpt = resolve_checkpoint(name_or_path)
-    try:
-        return AutoConfig.from_pretrained(
-            ckpt, local_files_only=not Path(ckpt).exists(), trust_remote_code=trust_remote_code
-        )
-    except (OSError, ValueError) as e:
-        raise ModelNotFoundError(f"cannot load the config of '{name_or_path}': {_first_line(e)}") from e
+    return _load_part("config", AutoConfig, name_or_path, trust_remote_code)
 
 
 def load_model(
