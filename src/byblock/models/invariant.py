@@ -13,11 +13,12 @@ What this CPU's kernels do (probed in tests/test_invariant.py and dev/LOG.md, se
   bits unchanged; zero-weight keys *between* its keys (a tree's non-ancestors) do not — a DDTree verify on
   real activations flipped a greedy token that way (tests/data/smollm2_layer14_tree.safetensors).
 - fp32 GEMMs and SDPA's kernels are *not* row-count invariant, and neither is a `sum` over a row with
-  a different number of masked entries.
+  a different number of masked entries, nor a bf16 GEMM against a single column once it has ~24 rows
+  (so the softmax denominator multiplies by SUM_COLS columns of ones).
 
 So decode and verify forwards (those with a cached past) use `invariant_attention_forward`: scores as one
 bf16 GEMM, softmax numerator exp(s - max) in fp32 rounded to bf16 (the max is exact in any order), and
-numerator and denominator as bf16 GEMMs of those weights with V and with a column of ones, split per row by a
+numerator and denominator as bf16 GEMMs of those weights with V and with columns of ones, split per row by a
 `RowPlan`: a cache prefix ending on an ALIGN-aligned cut (the same contiguous keys however the token is
 computed) plus the rest of its keys gathered in plain-decoding order, zero-padded only at the end. Its
 precision is that of transformers' eager bf16 attention. The prompt (no past) goes through SDPA: plain and
@@ -36,27 +37,41 @@ from byblock.models.fast_linear import InOutLinear
 
 NAME = "byblock_invariant"
 ALIGN = 64  # part A of a row's keys ends on a multiple of this, at least this many slots before the row
+PART_B = 2 * ALIGN  # part B's width, whatever the row: a GEMM's K picks its kernel, trailing zeros included
+ROW_CHUNK = 32  # linears run on at most this many rows per GEMM (more rows can take another kernel)
+SUM_COLS = 16  # ones columns of the softmax-denominator GEMM (one column takes a row-count-dependent path)
 
 
 class RowInvariantLinear(nn.Module):
-    """y = x W^T + b whose value for a row does not depend on how many rows x has (bf16 on this CPU).
+    """y = x W^T + b whose value for a row does not depend on how many rows x has (bf16).
 
     Weight kept [out, in]: for bf16, `F.linear` is as fast as or faster than the [in, out] layout at every
-    row count measured here (dev/LOG.md, session 5), unlike fp32 (models/fast_linear.py)."""
+    row count measured here (dev/LOG.md, session 5), unlike fp32 (models/fast_linear.py). In decode and verify
+    forwards (`state.plan` set; always when no state is given) rows go in chunks of 2..ROW_CHUNK: one row takes
+    the GEMV path, and on AMX CPUs a 1536-deep GEMM with more than 32 rows takes another kernel. A prompt
+    (no plan) runs as one GEMM: plain and speculative decoding prefill it identically."""
 
-    def __init__(self, linear: nn.Module) -> None:
+    def __init__(self, linear: nn.Module, state: RowInvariance | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)  # [out, in]
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.state = state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
-        if x.numel() != self.in_features:
+        rows = x.numel() // self.in_features
+        if 2 <= rows <= ROW_CHUNK or (rows > ROW_CHUNK and self.state is not None and self.state.plan is None):
             return F.linear(x, self.weight, self.bias)
-        # One row would take the GEMV path; two rows take the GEMM every larger input takes. The copy must
-        # be real: a stride-0 `expand` picks yet another kernel (and is 5-10x slower).
-        return F.linear(torch.cat([x, x], dim=-2), self.weight, self.bias)[..., :1, :]
+        flat = x.reshape(rows, self.in_features)
+        out = torch.cat([self._rows(flat[i : i + ROW_CHUNK]) for i in range(0, rows, ROW_CHUNK)])
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:  # [1..ROW_CHUNK, in] -> [same, out]
+        if x.shape[0] > 1:
+            return F.linear(x, self.weight, self.bias)
+        # The copy must be real: a stride-0 `expand` picks yet another kernel (and is 5-10x slower).
+        return F.linear(torch.cat([x, x]), self.weight, self.bias)[:1]
 
 
 @dataclass(frozen=True)
@@ -85,8 +100,7 @@ class RowPlan:
             return None
         cut = ((past + depth - ALIGN).clamp(min=0) // ALIGN) * ALIGN  # [T]
         n_cache = past - cut  # [T] cached keys in part B
-        width = int((n_cache + depth + 1).max())
-        j = torch.arange(width)[None]  # [1, Lb]
+        j = torch.arange(PART_B)[None]  # [1, Lb]: fixed width, so part B's GEMM has the same K however computed
         # k-th visible block slot of each row (stable sort puts visible slots first, in slot order)
         order = torch.sort((~block_visible).to(torch.int8), dim=-1, stable=True).indices  # [T, T]
         k = (j - n_cache[:, None]).clamp(min=0, max=t - 1)  # [T, Lb]
@@ -114,6 +128,17 @@ def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with a's row count (dim −2) padded to at least 2; returns float32 [..., rows, N]."""
     rows = a.shape[-2]
     return (_pad_rows(a) @ b)[..., :rows, :].float()
+
+
+def _row_sums(w: torch.Tensor) -> torch.Tensor:
+    """Σ_k w[..., k] as a bf16 GEMM: [..., rows, K] -> float32 [..., rows, 1].
+
+    Against SUM_COLS real columns of ones, not one: with a single column this CPU's GEMM takes another path
+    once there are enough rows (24 here) and sums in another order — a 24-row verify's denominator came out
+    one bf16 ulp off the same token's plain step and flipped a greedy token (dev/LOG.md, session 8). A
+    stride-0 `expand` of one column would pick yet another kernel, so the ones are materialised."""
+    ones = torch.ones(*w.shape[:-2], w.shape[-1], SUM_COLS, dtype=w.dtype)
+    return _gemm(w, ones)[..., :1]
 
 
 def invariant_attention_forward(
@@ -160,9 +185,8 @@ def invariant_attention_forward(
     state: RowInvariance | None = getattr(getattr(module, "config", None), "byblock_row_invariance", None)
     plan = state.plan if state is not None else None
     if plan is None or plan.index.shape[0] != t:
-        ones = torch.ones(*value.shape[:-1], 1, dtype=value.dtype)
         w = w.view(bsz, hkv, rows, length)
-        num, den = _gemm(w, value), _gemm(w, ones)  # [B, Hkv, rows, D], [B, Hkv, rows, 1]
+        num, den = _gemm(w, value), _row_sums(w)  # [B, Hkv, rows, D], [B, Hkv, rows, 1]
     else:
         num, den = _split_sums(w, value, plan)
     out = (num / den).to(query.dtype).view(bsz, heads, t, dim)
@@ -181,16 +205,15 @@ def _split_sums(w: torch.Tensor, value: torch.Tensor, plan: RowPlan) -> tuple[to
     wb = w.gather(-1, plan.index.expand(bsz, hkv, group, *plan.index.shape)).masked_fill(~plan.valid, 0)
     wb = wb.transpose(2, 3).contiguous()
     vb = value[:, :, plan.index]  # [B, Hkv, T, Lb, D]
-    ones_b = torch.ones(*vb.shape[:-1], 1, dtype=value.dtype)
     num = _gemm(wb, vb).transpose(2, 3)  # [B, Hkv, G, T, D]
-    den = _gemm(wb, ones_b).transpose(2, 3)  # [B, Hkv, G, T, 1]
+    den = _row_sums(wb).transpose(2, 3)  # [B, Hkv, G, T, 1]
     for cut in plan.cuts:
         if cut == 0:
             continue
         wa = w[..., :cut].reshape(bsz, hkv, group * t, cut)
         va = value[:, :, :cut]
         na = _gemm(wa, va).view(bsz, hkv, group, t, dim)
-        da = _gemm(wa, torch.ones(*va.shape[:-1], 1, dtype=value.dtype)).view(bsz, hkv, group, t, 1)
+        da = _row_sums(wa).view(bsz, hkv, group, t, 1)
         rows = (plan.cut == cut).view(1, 1, 1, t, 1)
         num = torch.where(rows, na + num, num)  # fixed order: part A + part B
         den = torch.where(rows, da + den, den)
@@ -206,13 +229,16 @@ def _chain_sums(w: torch.Tensor, value: torch.Tensor, plan: RowPlan) -> tuple[to
     bsz, hkv, group, t, length = w.shape
     dim = value.shape[-1]
     wr = w.view(bsz, hkv, group * t, length)
-    ones = torch.ones(*value.shape[:-1], 1, dtype=value.dtype)  # [B, Hkv, L, 1]
     num = den = None
     for cut in plan.cuts:
-        nb, db = _gemm(wr[..., cut:], value[:, :, cut:]), _gemm(wr[..., cut:], ones[:, :, cut:])  # part B
+        wb, vb = wr[..., cut : cut + PART_B], value[:, :, cut : cut + PART_B]  # part B, zero-padded to PART_B
+        if wb.shape[-1] < PART_B:
+            wb = F.pad(wb, (0, PART_B - wb.shape[-1]))
+            vb = F.pad(vb, (0, 0, 0, PART_B - vb.shape[-2]))
+        nb, db = _gemm(wb, vb), _row_sums(wb)
         if cut > 0:  # fixed order: part A + part B
             nb = _gemm(wr[..., :cut], value[:, :, :cut]) + nb
-            db = _gemm(wr[..., :cut], ones[:, :, :cut]) + db
+            db = _row_sums(wr[..., :cut]) + db
         if num is None:
             num, den = nb, db
         else:
@@ -239,7 +265,7 @@ def enable_row_invariance(hf_model: nn.Module) -> int:
     for parent in list(hf_model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) in (InOutLinear, nn.Linear):
-                setattr(parent, name, RowInvariantLinear(child))
+                setattr(parent, name, RowInvariantLinear(child, state))
                 count += 1
     hf_model.set_attn_implementation(NAME)
     return count
