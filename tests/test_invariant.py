@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import real_model_or_skip
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -294,3 +295,33 @@ def test_default_model_bf16_trees_token_identical():
     for spec in ("ddtree", "hybrid"):
         drafter = build_drafter(DrafterSpec.parse(spec, tree_budget=16), target, "bfloat16")
         assert generate(target, ids, params, drafter=drafter).token_ids == plain, spec
+
+
+def test_probe_row_invariance_passes_on_a_tiny_bf16_model():
+    """The load-time probe (models/invariant.py) finds the rules holding on this CPU for a bf16 target."""
+    from byblock.models.invariant import probe_row_invariance
+
+    assert probe_row_invariance(bf16_target("llama").hf) == ()
+
+
+def test_probe_row_invariance_reports_a_row_count_dependent_linear(monkeypatch):
+    """A linear whose rows depend on the row count is reported (one line per shape); the attention checks
+    still pass."""
+    from byblock.models import invariant
+
+    def linear(x, w, b=None):  # a kernel that switches at 3 rows and sums differently
+        return F.linear(x, w, b) + (x.shape[-2] > 2)
+
+    monkeypatch.setattr(invariant, "F", SimpleNamespace(linear=linear, pad=F.pad))
+    failures = invariant.probe_row_invariance(bf16_target("llama").hf)
+    assert failures and all(f.startswith("linear ") for f in failures)
+
+
+def test_load_model_warns_when_the_probe_fails(monkeypatch, tmp_path, caplog):
+    from byblock.models import loading
+
+    save_checkpoint("llama", tmp_path / "ckpt")
+    monkeypatch.setattr(loading, "probe_row_invariance", lambda model: ("linear 8->8: a row's bits depend",))
+    with caplog.at_level("WARNING", logger="byblock.models.loading"):
+        loading.load_model(str(tmp_path / "ckpt"), dtype="bfloat16")
+    assert "row invariance does not hold on this CPU (linear 8->8" in caplog.text

@@ -41,7 +41,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="tokens per verify forward: the anchor + B-1 drafted (default 8; dflash: its trained block size)",
     )
     parser.add_argument("--num-candidates", type=int, default=1, help="ngram: continuations merged into a tree")
-    parser.add_argument("--tree-budget", type=int, default=32, help="max draft nodes per round (trees)")
+    parser.add_argument(
+        "--tree-budget", type=int, default=31, help="max draft nodes per round (trees; 31 + root = one 32-row pass)"
+    )
     parser.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix matched")
     parser.add_argument("--ngram-max", type=int, default=3, help="ngram: longest suffix matched (tried first)")
     parser.add_argument("--adaptive", action="store_true", help="dflash/ddtree: size each round from measured costs")

@@ -25,7 +25,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "ngram | model:ID | dflash|ddtree|domino|dominotree|hybrid[:PATH]",
     )
     parser.add_argument("--block-size", type=int, default=None, help="tokens per verify forward (see generate)")
-    parser.add_argument("--tree-budget", type=int, default=32, help="max draft nodes per round (trees)")
+    parser.add_argument(
+        "--tree-budget", type=int, default=31, help="max draft nodes per round (trees; 31 + root = one 32-row pass)"
+    )
     parser.add_argument("--num-candidates", type=int, default=1, help="ngram: continuations merged into a tree")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

@@ -43,7 +43,7 @@ class DrafterSpec:
     model: str | None = None  # MODEL: a model id; DFLASH: a checkpoint dir (None: the shipped one)
     block_size: int | None = None  # tokens per verify forward (anchor + B-1 drafts); None: the drafter's default
     num_candidates: int = 1
-    tree_budget: int = 32
+    tree_budget: int = 31  # + the root = 32 verify rows: one linear pass (models/invariant.py ROW_CHUNK)
     ngram_min: int = 1
     ngram_max: int = 3
     adaptive: bool = False  # dflash/ddtree: pick depth/budget per round from measured costs (drafters/adaptive.py)

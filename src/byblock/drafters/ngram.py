@@ -24,7 +24,7 @@ class NgramConfig:
     min_n: int = 1
     max_n: int = 3
     num_candidates: int = 1  # > 1 makes a tree of that many continuations
-    tree_budget: int = 32  # node cap for trees
+    tree_budget: int = 31  # node cap for trees (+ the root = 32 verify rows, one ROW_CHUNK)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or not 1 <= self.min_n <= self.max_n:

@@ -6,21 +6,25 @@ row and k rows almost never flip an argmax; in bf16 they do, on most prompts (de
 same problem ("batch invariance") breaks determinism of LLM servers; the cure is the same: every reduction
 must be done in an order that does not depend on the number of rows in the call.
 
-What this CPU's kernels do (probed in tests/test_invariant.py and dev/LOG.md, session 5):
+What CPU kernels do (probed in tests/test_invariant.py and dev/LOG.md, sessions 5, 8, 9): a GEMM kernel is
+chosen by shape, and different kernels sum in different orders. On the AMD EPYC (AVX512-BF16) these rules were
+first found on:
 - bf16 GEMM (`x @ W_t`, and batched `@`) gives bitwise the same row for any row count >= 2, but a single
-  row takes a different (GEMV) path. So a 1-row input is padded to 2 rows (`RowInvariantLinear`).
+  row takes a different (GEMV) path; a GEMM against a single column switches kernels at ~24 rows.
 - Keys with softmax weight exactly 0 *after* a row's last real key (a chain row's future tokens) leave its
   bits unchanged; zero-weight keys *between* its keys (a tree's non-ancestors) do not — a DDTree verify on
   real activations flipped a greedy token that way (tests/data/smollm2_layer14_tree.safetensors).
 - fp32 GEMMs and SDPA's kernels are *not* row-count invariant, and neither is a `sum` over a row with
-  a different number of masked entries, nor a bf16 GEMM against a single column once it has ~24 rows
-  (so the softmax denominator multiplies by SUM_COLS columns of ones).
+  a different number of masked entries.
+On an Intel Xeon with AMX, also: trailing zero keys *do* change a row's bits when they change the GEMM's K,
+and a 1536-deep linear takes another kernel past 32 rows. Hence the rule followed here: every GEMM that
+touches a token's row has the same K, and 2..ROW_CHUNK rows, in a plain step and in a verify.
 
 So decode and verify forwards (those with a cached past) use `invariant_attention_forward`: scores as one
 bf16 GEMM, softmax numerator exp(s - max) in fp32 rounded to bf16 (the max is exact in any order), and
 numerator and denominator as bf16 GEMMs of those weights with V and with columns of ones, split per row by a
 `RowPlan`: a cache prefix ending on an ALIGN-aligned cut (the same contiguous keys however the token is
-computed) plus the rest of its keys gathered in plain-decoding order, zero-padded only at the end. Its
+computed) plus the rest of its keys gathered in plain-decoding order, zero-padded at the end to PART_B keys. Its
 precision is that of transformers' eager bf16 attention. The prompt (no past) goes through SDPA: plain and
 speculative decoding prefill identically, so the prompt needs no invariance and keeps the fast kernel.
 """
@@ -28,6 +32,7 @@ speculative decoding prefill identically, so the prompt needs no invariance and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -221,7 +226,7 @@ def _split_sums(w: torch.Tensor, value: torch.Tensor, plan: RowPlan) -> tuple[to
 
 
 def _chain_sums(w: torch.Tensor, value: torch.Tensor, plan: RowPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_split_sums` for a chain (plain decoding included): row t's part B is the slice [C_t, L) as it stands.
+    """`_split_sums` for a chain (plain decoding included): row t's part B is the slice [C_t, C_t + PART_B).
 
     Its keys after the row's own slot (later block tokens) carry weight exactly 0 and come after every key of
     the row, where zeros leave the row's bits alone; so the slice equals the gathered array of the general
@@ -269,3 +274,67 @@ def enable_row_invariance(hf_model: nn.Module) -> int:
                 count += 1
     hf_model.set_attn_implementation(NAME)
     return count
+
+
+def probe_row_invariance(hf_model: nn.Module, seed: int = 0) -> tuple[str, ...]:
+    """Check on random data shaped like `hf_model`'s forwards that this CPU's kernels follow the rules above.
+
+    The rules were found by probing two CPUs; another CPU's BLAS may choose kernels differently. Checks every
+    distinct RowInvariantLinear shape (a row alone vs among 2, 5 and ROW_CHUNK rows) and the attention
+    (each row of a 16-token chain and a 16-node tree vs that token computed alone, with 40 and 150 cached
+    keys). Returns one line per violated check; empty when every check holds. Random data can miss a
+    violation that real activations hit, so an empty result is evidence, not proof (tests/test_invariant.py
+    also checks captured real tensors)."""
+    g = torch.Generator().manual_seed(seed)
+    failures: list[str] = []
+    shapes: dict[tuple[int, int], RowInvariantLinear] = {}
+    for m in hf_model.modules():
+        if isinstance(m, RowInvariantLinear):
+            shapes.setdefault((m.in_features, m.out_features), m)
+    with torch.no_grad():
+        for (n_in, n_out), lin in shapes.items():
+            x = torch.randn(ROW_CHUNK, n_in, generator=g).to(lin.weight.dtype)
+            alone = lin(x[:1])
+            if not all(torch.equal(lin(x[:rows])[:1], alone) for rows in (2, 5, ROW_CHUNK)):
+                failures.append(f"linear {n_in}->{n_out}: a row's bits depend on the row count")
+        cfg = hf_model.config.get_text_config()
+        heads = cfg.num_attention_heads
+        hkv = getattr(cfg, "num_key_value_heads", None) or heads
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        dtype = next(hf_model.parameters()).dtype
+        for past in (40, 150):
+            for kind in ("chain", "tree"):
+                if _attention_rows_differ(g, past, 16, heads, hkv, dim, dtype, tree=kind == "tree"):
+                    failures.append(f"attention ({kind}, {past} cached keys): a row differs from its plain step")
+    return tuple(failures)
+
+
+def _attention_rows_differ(
+    g: torch.Generator, past: int, n: int, heads: int, hkv: int, dim: int, dtype: torch.dtype, tree: bool
+) -> bool:
+    """Whether some row of an n-token verify block differs bitwise from that token decoded alone."""
+    q = torch.randn(1, heads, n, dim, generator=g).to(dtype)
+    k = torch.randn(1, hkv, past + n, dim, generator=g).to(dtype)
+    v = torch.randn(1, hkv, past + n, dim, generator=g).to(dtype)
+    visible = torch.ones(n, n, dtype=torch.bool).tril()
+    if tree:  # a random tree: node i hangs under a random earlier node
+        visible = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            visible[i] |= visible[int(torch.randint(0, i, (1,), generator=g))]
+    allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), visible], dim=1)[None, None]
+    scale = dim**-0.5
+    block, _ = invariant_attention_forward(_PlanHolder(RowPlan.build(past, visible)), q, k, v, allowed, scale)
+    for i in range(n):
+        keys = torch.cat([torch.arange(past), past + visible[i].nonzero()[:, 0]])
+        single = _PlanHolder(RowPlan.build(len(keys) - 1, torch.ones(1, 1, dtype=torch.bool)))
+        one, _ = invariant_attention_forward(single, q[:, :, i : i + 1], k[:, :, keys], v[:, :, keys], None, scale)
+        if not torch.equal(one[0, 0], block[0, i]):
+            return True
+    return False
+
+
+class _PlanHolder:
+    """The part of a transformers attention module `invariant_attention_forward` reads: config's RowPlan."""
+
+    def __init__(self, plan: RowPlan | None) -> None:
+        self.config = SimpleNamespace(byblock_row_invariance=RowInvariance(plan))

@@ -20,7 +20,7 @@ import torch
 from byblock.errors import ModelNotFoundError
 from byblock.models.adapter import TargetModel
 from byblock.models.fast_linear import dual_layout_linears, relayout_linears
-from byblock.models.invariant import enable_row_invariance
+from byblock.models.invariant import enable_row_invariance, probe_row_invariance
 from byblock.models.registry import BUILTIN_MODELS, resolve_builtin
 
 log = logging.getLogger(__name__)
@@ -202,6 +202,12 @@ def load_model(
         row_invariant = dtype == torch.bfloat16
     if row_invariant:
         enable_row_invariance(model)
+        for failure in probe_row_invariance(model):
+            log.warning(
+                "warning: row invariance does not hold on this CPU (%s): bf16 speculative decoding may not be "
+                "token-identical to plain decoding here; --dtype float32 avoids bf16's near-ties",
+                failure,
+            )
     elif relayout == "dual":
         dual_layout_linears(model)
     elif relayout:
