@@ -36,7 +36,9 @@ from byblock.models.kv_cache import KVCache
 from byblock.sampling.params import SamplingParams
 from byblock.verify.types import Draft, Verdict
 
-COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# both sides of each ROW_CHUNK boundary (models/invariant.py): 33 rows cost a second linear pass, a step that
+# interpolating between 32 and 48 would smear out
+COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64, 65)
 EXPLORE_EVERY = 8
 
 
