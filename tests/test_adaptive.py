@@ -51,10 +51,30 @@ def test_acceptance_statistics_update():
     d = AdaptiveDrafter.__new__(AdaptiveDrafter)
     d.block_size, d.tree = 4, False
     d.accepted_at, d.reached = torch.ones(4), 2 * torch.ones(4)
+    d.look_accepted, d.look_reached = torch.ones(4), 2 * torch.ones(4)
+    d.rho_num = d.rho_den = 1.0
     d._depth = 4
     d.dflash = type("D", (), {"observe": lambda self, v, h: None})()
     d.observe(Verdict(path=[0, 1], tokens=[3, 4, 5]), None)  # accepted 2 of 4
     assert d.accepted_at.tolist() == [2, 2, 1, 1] and d.reached.tolist() == [3, 3, 3, 2]
+
+
+def test_acceptance_statistics_forget_old_turns():
+    """100 rounds that accept everything, then 40 that accept nothing: depth-1 acceptance must have followed
+    (pooled counts would still say 101/142 = 0.71)."""
+    d = AdaptiveDrafter.__new__(AdaptiveDrafter)
+    d.block_size, d.tree = 4, False
+    d.accepted_at, d.reached = torch.ones(4), 2 * torch.ones(4)
+    d.look_accepted, d.look_reached = torch.ones(4), 2 * torch.ones(4)
+    d.rho_num = d.rho_den = 1.0
+    d._depth = 4
+    d.dflash = type("D", (), {"observe": lambda self, v, h: None})()
+    for _ in range(100):
+        d.observe(Verdict(path=[0, 1, 2, 3], tokens=[3, 4, 5, 6, 7]), None)
+    assert float(d.accepted_at[0] / d.reached[0]) > 0.9
+    for _ in range(40):
+        d.observe(Verdict(path=[], tokens=[3]), None)
+    assert float(d.accepted_at[0] / d.reached[0]) < 0.25
 
 
 @pytest.mark.parametrize("kind", ["chain", "tree", "hybrid"])

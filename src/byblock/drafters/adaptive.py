@@ -15,6 +15,9 @@ The rule (measured costs, running acceptance):
     choose    argmax_d E(d) / (draft + cost(d+1))   (chain)   or   argmax_N E(N) / (draft + cost(size+1))   (tree)
 
 Every 8th chain round verifies the whole block, so acceptance at depths the rule stopped using stays measured.
+The counts behind α, β and ρ forget (weight FORGET per round, towards their prior): acceptance swings between
+turns (a repetitive answer accepts whole blocks, the next one does not), and a rule that pooled all history
+kept drafting deep after such a turn (dev/LOG.md, session 9).
 
 A best-first tree's first N nodes are themselves a valid tree (parents are popped before children), so one
 DDTree build serves every candidate N. The choice never affects correctness: verification is unchanged.
@@ -40,6 +43,7 @@ from byblock.verify.types import Draft, Verdict
 # interpolating between 32 and 48 would smear out
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64, 65)
 EXPLORE_EVERY = 8
+FORGET = 0.95  # per round, the weight of older acceptance evidence (memory ~20 rounds: a turn is 50-100)
 
 
 def measure_verify_cost(target: TargetModel, sizes=COST_SIZES, context: int = 128, repeats: int = 3) -> dict:
@@ -187,6 +191,14 @@ class AdaptiveDrafter:
         model = Draft(tokens=toks[:n_best], parents=torch.tensor(parents[:n_best], dtype=torch.long))
         return merge_trees(look, model, budget=length + n_best)
 
+    def _forget(self) -> None:
+        """Shrink every count towards its prior (Beta(1,1) per depth; ρ = 1/1) by FORGET."""
+        for acc, seen in ((self.accepted_at, self.reached), (self.look_accepted, self.look_reached)):
+            acc.sub_(1).mul_(FORGET).add_(1)
+            seen.sub_(2).mul_(FORGET).add_(2)
+        self.rho_num = 1 + FORGET * (self.rho_num - 1)
+        self.rho_den = 1 + FORGET * (self.rho_den - 1)
+
     @staticmethod
     def _path_probs(logp: torch.Tensor, ids: list[int], parents: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Π p̂ along each node's path [N], and each node's depth (0 = a child of the root)."""
@@ -201,6 +213,7 @@ class AdaptiveDrafter:
     def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
         """Update acceptance statistics, then the backbone's context."""
         a = verdict.num_accepted
+        self._forget()
         if self.tree:
             a_look = 0  # the merged lookup chain occupies nodes 0..L-1, node j at depth j+1
             while a_look < min(a, self._look_len) and verdict.path[a_look] == a_look:
