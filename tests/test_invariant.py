@@ -325,23 +325,3 @@ def test_load_model_warns_when_the_probe_fails(monkeypatch, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="byblock.models.loading"):
         loading.load_model(str(tmp_path / "ckpt"), dtype="bfloat16")
     assert "row invariance does not hold on this CPU (linear 8->8" in caplog.text
-
-
-def test_single_rows_are_padded_only_where_one_row_takes_another_kernel(monkeypatch):
-    """enable_row_invariance skips the 1 -> 2 row padding only when a lone row gets the bits it gets among more
-    rows; with a kernel that treats one row differently, every linear pads."""
-    from byblock.models import invariant
-
-    def gemv_differs(x, w, b=None):
-        return F.linear(x, w, b) + (x.shape[-2] == 1)
-
-    for fake, want_pad in ((None, None), (gemv_differs, True)):
-        if fake is not None:
-            monkeypatch.setattr(invariant, "F", SimpleNamespace(linear=fake, pad=F.pad))
-        target = make_target("llama", dtype=BF16, row_invariant=True)
-        linears = [m for m in target.hf.modules() if isinstance(m, RowInvariantLinear)]
-        assert linears
-        for m in linears:
-            assert m.pad_single == (want_pad if want_pad is not None else not invariant._single_row_matches(m))
-            x = torch.randn(1, 1, m.in_features).to(BF16)
-            assert torch.equal(m(x), m(torch.cat([x, x], 1))[:, :1])  # either way a lone row has the 2-row bits

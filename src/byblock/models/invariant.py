@@ -10,8 +10,7 @@ What CPU kernels do (probed in tests/test_invariant.py and dev/LOG.md, sessions 
 chosen by shape, and different kernels sum in different orders. On the AMD EPYC (AVX512-BF16) these rules were
 first found on:
 - bf16 GEMM (`x @ W_t`, and batched `@`) gives bitwise the same row for any row count >= 2, but a single
-  row takes a different (GEMV) path (so a lone row is padded to two wherever `_single_row_matches` says so);
-  a GEMM against a single column switches kernels at ~24 rows.
+  row takes a different (GEMV) path; a GEMM against a single column switches kernels at ~24 rows.
 - Keys with softmax weight exactly 0 *after* a row's last real key (a chain row's future tokens) leave its
   bits unchanged; zero-weight keys *between* its keys (a tree's non-ancestors) do not — a DDTree verify on
   real activations flipped a greedy token that way (tests/data/smollm2_layer14_tree.safetensors).
@@ -64,23 +63,20 @@ class RowInvariantLinear(nn.Module):
         self.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)  # [out, in]
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.state = state
-        self.pad_single = True  # enable_row_invariance clears it where one row already takes the GEMM's path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
         rows = x.numel() // self.in_features
-        if rows == 1:
-            return self._rows(x)
-        if rows <= ROW_CHUNK or (self.state is not None and self.state.plan is None):
+        if 2 <= rows <= ROW_CHUNK or (rows > ROW_CHUNK and self.state is not None and self.state.plan is None):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
         out = torch.cat([self._rows(flat[i : i + ROW_CHUNK]) for i in range(0, rows, ROW_CHUNK)])
         return out.view(*x.shape[:-1], self.out_features)
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:  # [..., 1..ROW_CHUNK, in] -> [..., same, out]
-        if x.shape[-2] > 1 or not self.pad_single:
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:  # [1..ROW_CHUNK, in] -> [same, out]
+        if x.shape[0] > 1:
             return F.linear(x, self.weight, self.bias)
         # The copy must be real: a stride-0 `expand` picks yet another kernel (and is 5-10x slower).
-        return F.linear(torch.cat([x, x], dim=-2), self.weight, self.bias)[..., :1, :]
+        return F.linear(torch.cat([x, x]), self.weight, self.bias)[:1]
 
 
 @dataclass(frozen=True)
@@ -277,27 +273,7 @@ def enable_row_invariance(hf_model: nn.Module) -> int:
                 setattr(parent, name, RowInvariantLinear(child, state))
                 count += 1
     hf_model.set_attn_implementation(NAME)
-    single = {}  # (in, out) -> whether one row gets the bits it gets among 2..ROW_CHUNK rows
-    for m in hf_model.modules():
-        if isinstance(m, RowInvariantLinear):
-            shape = (m.in_features, m.out_features)
-            if shape not in single:
-                single[shape] = _single_row_matches(m)
-            m.pad_single = not single[shape]
     return count
-
-
-def _single_row_matches(lin: RowInvariantLinear, seed: int = 0) -> bool:
-    """Whether this CPU computes a lone row with the kernel (summation order) it uses for 2..ROW_CHUNK rows.
-
-    Kernels are chosen by shape, not data, and two kernels that sum in different orders disagree on some of
-    several random rows × out_features outputs with near certainty. The AMD EPYC of sessions 2–8 fails this (a
-    GEMV path for one row); the AMX Xeon of session 9 passes, and there the padding copy is skipped."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        x = torch.randn(ROW_CHUNK, lin.in_features, generator=g).to(lin.weight.dtype)
-        full = F.linear(x, lin.weight, lin.bias)  # [ROW_CHUNK, out]
-        return all(torch.equal(F.linear(x[:rows], lin.weight, lin.bias), full[:rows]) for rows in (1, 2, 5))
 
 
 def probe_row_invariance(hf_model: nn.Module, seed: int = 0) -> tuple[str, ...]:
