@@ -47,7 +47,8 @@ def test_chain_depth_follows_acceptance_and_cost(tiny_targets):
         assert d.last_choice == want
 
 
-def test_acceptance_statistics_update():
+def _bare_chain_drafter() -> AdaptiveDrafter:
+    """An adaptive chain over a 4-token block with prior-only statistics and a backbone that ignores verdicts."""
     d = AdaptiveDrafter.__new__(AdaptiveDrafter)
     d.block_size, d.tree = 4, False
     d.accepted_at, d.reached = torch.ones(4), 2 * torch.ones(4)
@@ -55,6 +56,11 @@ def test_acceptance_statistics_update():
     d.rho_num = d.rho_den = 1.0
     d._depth = 4
     d.dflash = type("D", (), {"observe": lambda self, v, h: None})()
+    return d
+
+
+def test_acceptance_statistics_update():
+    d = _bare_chain_drafter()
     d.observe(Verdict(path=[0, 1], tokens=[3, 4, 5]), None)  # accepted 2 of 4
     assert d.accepted_at.tolist() == [2, 2, 1, 1] and d.reached.tolist() == [3, 3, 3, 2]
 
@@ -62,13 +68,7 @@ def test_acceptance_statistics_update():
 def test_acceptance_statistics_forget_old_turns():
     """100 rounds that accept everything, then 40 that accept nothing: depth-1 acceptance must have followed
     (pooled counts would still say 101/142 = 0.71)."""
-    d = AdaptiveDrafter.__new__(AdaptiveDrafter)
-    d.block_size, d.tree = 4, False
-    d.accepted_at, d.reached = torch.ones(4), 2 * torch.ones(4)
-    d.look_accepted, d.look_reached = torch.ones(4), 2 * torch.ones(4)
-    d.rho_num = d.rho_den = 1.0
-    d._depth = 4
-    d.dflash = type("D", (), {"observe": lambda self, v, h: None})()
+    d = _bare_chain_drafter()
     for _ in range(100):
         d.observe(Verdict(path=[0, 1, 2, 3], tokens=[3, 4, 5, 6, 7]), None)
     assert float(d.accepted_at[0] / d.reached[0]) > 0.9
