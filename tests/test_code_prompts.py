@@ -148,6 +148,13 @@ def test_cli_code_prompts_stage(tmp_path, tiny_llama_dir):
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "code_prompts.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["shape"] == "docstring"
+    # Chat answers regenerated into another --regen-dir are read from there.
+    (tmp_path / "code_prompts.jsonl").unlink()
+    (tmp_path / "regen").rename(tmp_path / "regen-chat2")
+    cmd = [*cli, "--out", str(tmp_path), "--stage", "code-prompts", "--prompts", str(prompts), "--quiet"]
+    r = subprocess.run([*cmd, "--regen-dir", "regen-chat2"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len((tmp_path / "code_prompts.jsonl").read_text().splitlines()) == 1
 
 
 def test_continued_run_grows_the_draft_vocabulary_but_domino_keeps_it(tmp_path, two_regen_dirs, tiny_llama_dir):

@@ -19,6 +19,7 @@ import torch
 
 from byblock.errors import ModelNotFoundError
 from byblock.models.adapter import TargetModel
+from byblock.models.cpu_features import native_bf16
 from byblock.models.fast_linear import dual_layout_linears, relayout_linears
 from byblock.models.invariant import enable_row_invariance, probe_row_invariance
 from byblock.models.registry import BUILTIN_MODELS, resolve_builtin
@@ -176,6 +177,11 @@ def load_model(
         if dtype not in DTYPES:
             raise ModelNotFoundError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
         dtype = DTYPES[dtype]
+    if dtype == torch.bfloat16 and not native_bf16():
+        log.warning(
+            "warning: this CPU has no native bf16 (AVX512-BF16 / AMX): bf16 is emulated and runs slower than "
+            "--dtype float32 here"
+        )
     ckpt = resolve_checkpoint(name_or_path)
     is_hub = not Path(ckpt).exists()
     kwargs = {"trust_remote_code": trust_remote_code}
