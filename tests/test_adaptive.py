@@ -77,15 +77,32 @@ def test_acceptance_statistics_forget_old_turns():
     assert float(d.accepted_at[0] / d.reached[0]) < 0.25
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "hybrid"])
+def test_chain_rests_when_no_depth_beats_a_plain_step(tiny_targets):
+    """Verifying costs 3 plain steps per extra token: the rule skips the drafter (plain steps) except every
+    8th round, which drafts only the best depth, not the whole block."""
+    target = tiny_targets["llama"]
+    d = _adaptive(target, CostModel({1: 1.0, 2: 4.0, 64: 190.0}))
+    calls = []
+    draft_logits = d.dflash.draft_logits
+    d.dflash.draft_logits = lambda *a: calls.append(a[2]) or draft_logits(*a)
+    prompt = [5, 17, 33, 9]
+    hidden = target.forward(torch.tensor([prompt]), target.new_cache(), hidden_layers=d.hidden_layers).hidden
+    d.start(prompt, hidden, SamplingParams(), None)
+    drafts = [d.propose([*prompt, 40], 7) for _ in range(8)]
+    assert calls == [1] and drafts[0].num_nodes == 1  # round 0 explores at the best depth
+    assert all(x.num_nodes == 0 for x in drafts[1:]) and d.last_choice == 0 and d.drafted == 1
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "hybrid", "resting chain"])
 def test_adaptive_is_lossless(tiny_target, kind):
     lookup = NgramDrafter(NgramConfig(block_size=5)) if kind == "hybrid" else None
+    steep = CostModel({1: 1.0, 2: 2.5, 16: 40.0})  # mostly plain steps, a 1-token chain every 8th round
     drafter = AdaptiveDrafter(
         DFlashDrafter(make_dflash(tiny_target, block=6), tiny_target),
         tiny_target,
-        tree=kind != "chain",
+        tree=kind in ("tree", "hybrid"),
         max_budget=12,
-        cost=CostModel({1: 1.0, 4: 1.2, 16: 2.0}),
+        cost=steep if kind == "resting chain" else CostModel({1: 1.0, 4: 1.2, 16: 2.0}),
         lookup=lookup,
     )
     for prompt in ([5, 17, 33, 9], [7, 7, 7, 7, 7, 7, 12, 40], [5, 17, 33, 9, 40, 41, 5, 17, 33]):

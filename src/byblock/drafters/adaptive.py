@@ -13,8 +13,12 @@ The rule (measured costs, running acceptance):
                      + ρ · Σ_{first N model nodes off the lookup path} Π p̂    to draft) with its own running
                                                         per-depth acceptance β; tree size = L + new model nodes
     choose    argmax_d E(d) / (draft + cost(d+1))   (chain)   or   argmax_N E(N) / (draft + cost(size+1))   (tree)
+    rest      (chain) when even the best depth is slower than a plain step, max_d E(d) / (draft + cost(d+1)) <
+              1 / cost(1), the round skips the drafter and is one plain decoding step
 
-Every 8th chain round verifies the whole block, so acceptance at depths the rule stopped using stays measured.
+Every 8th chain round verifies the whole block, so acceptance at depths the rule stopped using stays measured;
+while resting, that round drafts only the best depth (on a CPU where a deep verify costs three plain steps, a
+whole-block probe every 8th round would cost more than resting saves).
 The counts behind α, β and ρ forget (weight FORGET per round, towards their prior): acceptance swings between
 turns (a repetitive answer accepts whole blocks, the next one does not), and a rule that pooled all history
 kept drafting deep after such a turn (dev/LOG.md, session 9).
@@ -110,7 +114,8 @@ class AdaptiveDrafter:
         self.cost = cost or CostModel(measure_verify_cost(target, [k for k in COST_SIZES if k <= max_budget + 1]))
         self.accepted_at = torch.ones(self.block_size)  # Beta(1,1) prior: 1 success ...
         self.reached = 2 * torch.ones(self.block_size)  # ... out of 2 trials per depth
-        self.draft_s = 0.0
+        self.draft_s = 0.0  # summed over the rounds that ran the drafter
+        self.drafted = 0
         self.rounds = 0
         self.rho_num, self.rho_den = 1.0, 1.0  # tree calibration: accepted vs predicted
         self._params = SamplingParams()
@@ -132,26 +137,40 @@ class AdaptiveDrafter:
         """Draft the full block once, then keep the most profitable prefix (chain) or node count (tree)."""
         t0 = time.perf_counter()
         depth = min(self.block_size, max_depth)
-        logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
-        draft_s = self.draft_s / self.rounds if self.rounds else 0.0
+        draft_s = self.draft_s / self.drafted if self.drafted else 0.0
+        explore = self.rounds % EXPLORE_EVERY == 0
         if not self.tree:
-            draft = self._chain(logits, depth, draft_s)
-        elif self.lookup is not None:
+            d_best, pays = self._best_depth(depth, draft_s)
+            self.rounds += 1
+            if not pays and not explore:
+                self.last_choice = self._depth = 0  # rest: one plain step; the backbone's context keeps queueing
+                return Draft.empty()
+            logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth if pays else d_best)  # [D, Vd]
+            draft = self._chain(logits, depth if explore and pays else d_best)
+            self.draft_s += time.perf_counter() - t0
+            self.drafted += 1
+            return draft
+        logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
+        if self.lookup is not None:
             draft = self._hybrid(self.lookup.propose(tokens, depth), logits, draft_s)
         else:
             draft = self._tree(logits, draft_s)
         self.draft_s += time.perf_counter() - t0
+        self.drafted += 1
         self.rounds += 1
         return draft
 
-    def _chain(self, logits: torch.Tensor, depth: int, draft_s: float) -> Draft:
+    def _best_depth(self, depth: int, draft_s: float) -> tuple[int, bool]:
+        """The chain depth d ≥ 1 with the highest expected tokens per second, and whether it beats a plain step."""
         e = self.expected_chain()[: depth + 1]
         rate = [float(e[d]) / (draft_s + self.cost(d + 1)) for d in range(depth + 1)]
-        d_best = max(range(depth + 1), key=rate.__getitem__)
-        if self.rounds % EXPLORE_EVERY == 0:
-            d_best = depth  # now and then verify the whole block, or deep positions are never measured
-        self.last_choice, self._depth = d_best, d_best
-        return self.dflash.chain_from_logits(logits[:d_best])
+        d_best = max(range(1, depth + 1), key=rate.__getitem__, default=0)
+        return d_best, d_best > 0 and rate[d_best] >= 1.0 / self.cost(1)
+
+    def _chain(self, logits: torch.Tensor, depth: int) -> Draft:
+        """The first `depth` tokens of the drafted block as a chain."""
+        self.last_choice, self._depth = depth, depth
+        return self.dflash.chain_from_logits(logits[:depth])
 
     def _tree(self, logits: torch.Tensor, draft_s: float) -> Draft:
         logp = tree_logp(logits, self._params)
