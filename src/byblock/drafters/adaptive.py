@@ -141,20 +141,17 @@ class AdaptiveDrafter:
         explore = self.rounds % EXPLORE_EVERY == 0
         if not self.tree:
             d_best, pays = self._best_depth(depth, draft_s)
-            self.rounds += 1
             if not pays and not explore:
+                self.rounds += 1
                 self.last_choice = self._depth = 0  # rest: one plain step; the backbone's context keeps queueing
                 return Draft.empty()
-            logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth if pays else d_best)  # [D, Vd]
-            draft = self._chain(logits, depth if explore and pays else d_best)
-            self.draft_s += time.perf_counter() - t0
-            self.drafted += 1
-            return draft
-        logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
-        if self.lookup is not None:
+            chain_depth = depth if explore and pays else d_best
+            draft = self._chain(self.dflash.draft_logits(tokens[-1], len(tokens) - 1, chain_depth), chain_depth)
+        elif self.lookup is not None:
+            logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
             draft = self._hybrid(self.lookup.propose(tokens, depth), logits, draft_s)
         else:
-            draft = self._tree(logits, draft_s)
+            draft = self._tree(self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth), draft_s)
         self.draft_s += time.perf_counter() - t0
         self.drafted += 1
         self.rounds += 1
@@ -162,9 +159,9 @@ class AdaptiveDrafter:
 
     def _best_depth(self, depth: int, draft_s: float) -> tuple[int, bool]:
         """The chain depth d ≥ 1 with the highest expected tokens per second, and whether it beats a plain step."""
-        e = self.expected_chain()[: depth + 1]
-        rate = [float(e[d]) / (draft_s + self.cost(d + 1)) for d in range(depth + 1)]
-        d_best = max(range(1, depth + 1), key=rate.__getitem__, default=0)
+        e = self.expected_chain()
+        rate = {d: float(e[d]) / (draft_s + self.cost(d + 1)) for d in range(1, depth + 1)}
+        d_best = max(rate, key=rate.__getitem__, default=0)
         return d_best, d_best > 0 and rate[d_best] >= 1.0 / self.cost(1)
 
     def _chain(self, logits: torch.Tensor, depth: int) -> Draft:

@@ -68,9 +68,7 @@ class TrainConfig:
     freeze_backbone: bool = False  # Domino: train only the head (the DFlash weights stay as they are)
     init_from: str = ""  # a DFlash checkpoint dir to start the backbone from (its vocabulary and mask id too)
     extra_data: str = ""  # comma-separated regen dirs trained on beside the main one (each holds out its own)
-    # Autocast matmuls to bf16 (2.7x faster GEMMs on an AVX512-BF16 CPU, ~3x slower where bf16 is emulated; the
-    # CLI defaults to models/cpu_features.native_bf16()); weights stay fp32.
-    bf16: bool = True
+    bf16: bool = True  # autocast matmuls to bf16 (weights stay fp32); the CLI defaults to cpu_features.native_bf16()
     val_shards: int = 1  # the last shards are held out for τ
     val_blocks: int = 256
     eval_every: int = 200
