@@ -30,7 +30,7 @@ demo: setup
 	$(VENV)/bin/byblock bench --quick
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -105,6 +105,16 @@ def test_version_and_models():
     assert {"smollm2-135m", "gemma3-270m"} <= names
 
 
+def test_linears_flag(tiny_llama_dir):
+    """--linears library runs on PyTorch's kernels; a bad choice is an argparse error (exit 2, no traceback)."""
+    base = ["generate", "def add(a, b):", "--model", str(tiny_llama_dir), "--max-new-tokens", "8", "--json"]
+    r = byblock(*base, "--linears", "library", "--drafter", "ngram")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["num_new_tokens"] == 8
+    bad = byblock(*base, "--linears", "fast")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
 def test_draft_model_drafter_from_cli(tiny_llama_dir):
     base = ["generate", "def add(a, b):", "--model", str(tiny_llama_dir), "--max-new-tokens", "16", "--json"]
     plain = json.loads(byblock(*base).stdout)

@@ -15,19 +15,20 @@ from byblock.drafters import ModelDrafter, NgramConfig, NgramDrafter
 
 
 @functools.cache
-def target(arch: str):
-    return make_target(arch)
+def target(arch: str, packed: bool = False):
+    return make_target(arch, packed=packed)
 
 
 @functools.cache
-def reference(arch: str, prompt: tuple[int, ...]) -> list[int]:
+def reference(arch: str, prompt: tuple[int, ...], packed: bool = False) -> list[int]:
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
-    return list(prompt) + generate(target(arch), list(prompt), params).token_ids
+    return list(prompt) + generate(target(arch, packed), list(prompt), params).token_ids
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     arch=st.sampled_from(ARCHS),
+    packed=st.booleans(),  # library fp32 linears, or byblock's packed GEMM (load_model's default for fp32)
     prompt=st.lists(st.integers(3, 319), min_size=1, max_size=24),
     block_size=st.integers(1, 16),
     max_new=st.integers(1, 40),
@@ -36,9 +37,9 @@ def reference(arch: str, prompt: tuple[int, ...]) -> list[int]:
     stop_at=st.one_of(st.none(), st.integers(0, 39)),
     seed=st.integers(0, 10**6),
 )
-def test_greedy_speculative_equals_plain(arch, prompt, block_size, max_new, kind, ignore_eos, stop_at, seed):
-    t = target(arch)
-    ref = reference(arch, tuple(prompt))
+def test_greedy_speculative_equals_plain(arch, packed, prompt, block_size, max_new, kind, ignore_eos, stop_at, seed):
+    t = target(arch, packed)
+    ref = reference(arch, tuple(prompt), packed)
     stop: tuple[str, ...] = ()
     if stop_at is not None:  # a stop string taken from the text the model will actually produce
         piece = t.tokenizer.decode(ref[len(prompt) + stop_at : len(prompt) + stop_at + 2], skip_special_tokens=True)

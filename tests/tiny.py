@@ -102,9 +102,11 @@ def make_target(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     row_invariant: bool = False,
+    packed: bool = False,
     **overrides,
 ):
-    """A TargetModel over a tiny random model with the tiny tokenizer (optionally bf16 + row-invariant)."""
+    """A TargetModel over a tiny random model with the tiny tokenizer (optionally bf16 + row-invariant, or
+    fp32 on byblock's packed GEMM as load_model sets it up)."""
     from byblock.models.adapter import TargetModel
     from byblock.models.invariant import enable_row_invariance
 
@@ -113,6 +115,15 @@ def make_target(
     model.generation_config.eos_token_id = tok.eos_token_id
     if row_invariant:
         enable_row_invariance(model)
+    if packed:
+        from byblock.models.packed_gemm import load_kernel, pack_linears
+
+        kernel = load_kernel()
+        if kernel is None:
+            import pytest
+
+            pytest.skip("byblock's packed GEMM does not build here (no g++ or no AVX2)")
+        pack_linears(model, kernel)
     return TargetModel(model, tok, name=f"tiny-{arch}")
 
 

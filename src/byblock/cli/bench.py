@@ -15,7 +15,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from byblock.cli.dtype_args import add_dtype_args, row_invariant
+from byblock.cli.dtype_args import add_dtype_args, relayout, row_invariant
 from byblock.models.registry import DEFAULT_MODEL
 
 QUICK = {"methods": "ar,ngram,dflash,ddtree", "dataset": "dev,humaneval", "limit": 3, "max_new_tokens": 64}
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline not in names:
         raise ByblockError(f"--baseline '{args.baseline}' is not among --methods")
     datasets = load_datasets(args.dataset, args.dataset_path, args.limit)
-    target = load_model(args.model, dtype=args.dtype, row_invariant=row_invariant(args))
+    target = load_model(args.model, dtype=args.dtype, row_invariant=row_invariant(args), relayout=relayout(args))
     from byblock.cli.sparse_args import enable_sparse
 
     density = enable_sparse(target, args)

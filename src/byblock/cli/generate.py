@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from byblock.cli.dtype_args import add_dtype_args, row_invariant
+from byblock.cli.dtype_args import add_dtype_args, relayout, row_invariant
 from byblock.cli.sparse_args import add_sparse_args, enable_sparse
 from byblock.models.registry import DEFAULT_MODEL
 
@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         trust_remote_code=args.trust_remote_code,
         row_invariant=row_invariant(args),
+        relayout=relayout(args),
     )
     density = enable_sparse(model, args)
     drafter = build_drafter(spec, model, dtype=args.dtype)

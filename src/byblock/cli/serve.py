@@ -7,7 +7,7 @@ import logging
 import socket
 import sys
 
-from byblock.cli.dtype_args import add_dtype_args, row_invariant
+from byblock.cli.dtype_args import add_dtype_args, relayout, row_invariant
 from byblock.errors import ByblockError
 from byblock.models.registry import DEFAULT_MODEL
 
@@ -114,6 +114,7 @@ def _ar_core(args: argparse.Namespace):
         dtype=args.dtype,
         trust_remote_code=args.trust_remote_code,
         row_invariant=row_invariant(args),
+        relayout=relayout(args),
     )
     from byblock.cli.sparse_args import enable_sparse
 

@@ -137,9 +137,13 @@ def build_dflash(spec: DrafterSpec, target: TargetModel, dtype: str = "float32")
     """A DFlash drafter from a checkpoint dir (or the one shipped for the target), in the target's dtype."""
     from byblock.drafters.dflash_format import load_dflash
     from byblock.models.loading import DTYPES
+    from byblock.models.packed_gemm import PackedLinear, pack_linears
 
     path = Path(spec.model).expanduser() if spec.model else shipped_dflash_dir(target.name)
     model, vocab = load_dflash(path, dtype=DTYPES.get(dtype, torch.float32))
+    head = target.hf.get_output_embeddings()
+    if isinstance(head, PackedLinear) and next(model.parameters()).dtype == torch.float32:
+        pack_linears(model, head.kernel)  # the drafter follows the target's fp32 kernels (models/packed_gemm.py)
     return DFlashDrafter(model, target, block=spec.block_size, draft_vocab=vocab)
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from byblock.drafters.dflash_model import DFlashDraftModel
 from byblock.errors import ByblockError
 from byblock.models.adapter import TargetModel
+from byblock.models.packed_gemm import PackedLinear
 from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import process_logits, sample
 from byblock.verify.types import Draft, Verdict
@@ -66,12 +67,18 @@ class DFlashDrafter:
         # The reference embeds with the raw table (any in-model embedding scale is bypassed).
         self.embed_weight = target.hf.get_input_embeddings().weight  # [V, H]
         head = target.hf.get_output_embeddings()
-        head_t = head.weight_t if hasattr(head, "weight_t") else head.weight.t()  # [H, V]
         self.draft_vocab = draft_vocab
-        if draft_vocab is not None:
-            head_t = head_t[:, draft_vocab]  # [H, Vd]: a restricted head is a cheaper drafter forward
-        head_dtype = dtype or head_t.dtype
-        self.head_t = head_t.to(head_dtype).contiguous() if draft_vocab is not None or dtype else head_t
+        self.packed_head: PackedLinear | None = None  # the target's fp32 head on the packed kernel, if it is
+        self.head_t: torch.Tensor | None = None  # else [H, Vd] for a library matmul
+        if isinstance(head, PackedLinear) and dtype in (None, torch.float32):
+            rows = head if draft_vocab is None else PackedLinear(head.weight[draft_vocab], None, head.kernel)
+            self.packed_head = rows
+        else:
+            head_t = head.weight_t if hasattr(head, "weight_t") else head.weight.t()  # [H, V]
+            if draft_vocab is not None:
+                head_t = head_t[:, draft_vocab]  # [H, Vd]: a restricted head is a cheaper drafter forward
+            head_dtype = dtype or head_t.dtype
+            self.head_t = head_t.to(head_dtype).contiguous() if draft_vocab is not None or dtype else head_t
         self.softcap = getattr(target.text_config, "final_logit_softcapping", None)
         self.dtype = next(model.parameters()).dtype
         self._cache: list[list[torch.Tensor]] = []
@@ -109,7 +116,11 @@ class DFlashDrafter:
         ctx_pos = torch.arange(self._pending_start, anchor_pos)[None]  # [1, C]
         with torch.inference_mode():
             h = self.model(embeds, self._pending[None], block_pos, ctx_pos, cache=self._cache)  # [1, B, H]
-            logits = h[0, 1 : 1 + depth].to(self.head_t.dtype) @ self.head_t  # [depth, Vd]
+            rows = h[0, 1 : 1 + depth]  # [depth, H]
+            if self.packed_head is not None:
+                logits = self.packed_head(rows.float())  # [depth, Vd]
+            else:
+                logits = rows.to(self.head_t.dtype) @ self.head_t  # [depth, Vd]
         self._pending = self._pending[:0]
         self._pending_start = anchor_pos
         if self.softcap:

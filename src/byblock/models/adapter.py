@@ -45,7 +45,8 @@ class TargetModel:
         tc = self.text_config
         self.num_layers: int = tc.num_hidden_layers
         self.hidden_size: int = tc.hidden_size
-        self.vocab_size: int = hf_model.get_output_embeddings().weight.shape[0]
+        head = hf_model.get_output_embeddings()
+        self.vocab_size: int = getattr(head, "out_features", None) or head.weight.shape[0]
         self.max_context: int = int(getattr(tc, "max_position_embeddings", 2048))
         layer_types = getattr(tc, "layer_types", None) or []
         self.sliding_window: int | None = (

@@ -1,0 +1,168 @@
+"""fp32 linears for a few rows at once, near the memory roofline: byblock's own packed-panel GEMM.
+
+A speculative round verifies k tokens in one target forward; it pays only if that forward costs little more
+than a plain one-token step. Library fp32 GEMMs on an AVX2 CPU do not: with 2..32 rows they read a weight
+and then compute on it, serially, so a 17-token forward of SmolLM2-135M cost 2.3 plain steps (dev/LOG.md,
+sessions 10-11). `csrc/packed_gemm.cpp` packs every weight once into 16-column panels, computes up to 6 rows
+per panel pass from registers and prefetches the next panel meanwhile; it is also row-invariant (each output
+is one FMA chain over k in order, whatever the number of rows), so plain and speculative decoding compute
+bit-identical logits for a token.
+
+The C++ source ships with the package and is compiled on first use with the system's g++ into a per-user
+cache (one second); without g++, AVX2 or FMA, `load_kernel()` returns None and byblock keeps the library
+kernels (`models/fast_linear.py`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from byblock.models.cpu_features import cpu_flags
+
+log = logging.getLogger("byblock")
+
+SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.cpp"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+ALIGN_BYTES = 32  # aligned AVX loads from the packed panels
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "byblock" / "kernels"
+
+
+class PackedGemm:
+    """The compiled kernel: pack a weight once, then y = x W^T (+ b) for any number of rows."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._lib = library
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        library.byblock_pack.argtypes = [vp, i64, i64, vp]
+        library.byblock_pack.restype = None
+        library.byblock_packed_linear.argtypes = [vp, i64, i64, vp, i64, vp, vp, ctypes.c_int]
+        library.byblock_packed_linear.restype = None
+        self.panel = int(library.byblock_panel_width())
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] fp32 -> packed panels [ceil(N/16) * K * 16], 32-byte aligned."""
+        w = weight.detach().to(torch.float32).contiguous()
+        n, k = w.shape
+        size = -(-n // self.panel) * k * self.panel
+        buf = torch.empty(size + ALIGN_BYTES // 4, dtype=torch.float32)
+        shift = (-buf.data_ptr() % ALIGN_BYTES) // 4  # torch aligns to 64 bytes; this is a guarantee, not a hope
+        packed = buf[shift : shift + size]
+        self._lib.byblock_pack(w.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [..., K] fp32 -> [..., N] with the packed weight (bias [N] or None)."""
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        x2 = x.reshape(rows, k)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        if rows:
+            self._lib.byblock_packed_linear(
+                x2.data_ptr(),
+                rows,
+                k,
+                packed.data_ptr(),
+                out_features,
+                None if bias is None else bias.data_ptr(),
+                y.data_ptr(),
+                torch.get_num_threads(),
+            )
+        return y.view(*x.shape[:-1], out_features)
+
+
+def _compile(out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        so = Path(tmp) / out.name
+        subprocess.run(["g++", *FLAGS, str(SOURCE), "-o", str(so)], check=True, capture_output=True, timeout=120)
+        os.replace(so, out)  # atomic: concurrent processes never load a half-written library
+
+
+@functools.cache
+def load_kernel() -> PackedGemm | None:
+    """The packed GEMM for this CPU, compiled on first use; None where it cannot run (reason logged once)."""
+    flags = cpu_flags()
+    has_avx2 = {"avx2", "fma"} <= flags if flags is not None else torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+    if not has_avx2 or not SOURCE.exists():
+        return None
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"packed_gemm-{digest}.so"
+    try:
+        if not out.exists():
+            if shutil.which("g++") is None:
+                log.info("byblock: no g++ found; fp32 linears use the library kernels")
+                return None
+            _compile(out)
+        return PackedGemm(ctypes.CDLL(str(out)))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("warning: byblock's packed fp32 GEMM is unavailable (%s); using the library kernels", e)
+        return None
+
+
+class PackedLinear(nn.Module):
+    """Inference drop-in for an fp32 nn.Linear, computed by the packed-panel kernel.
+
+    Keeps only the packed weight; `.weight` unpacks a fresh [out, in] copy on each access (set-up code and
+    autograd inputs, e.g. training a drafter through the target's frozen head, take F.linear on it)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: PackedGemm) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.kernel = kernel
+        self.packed = nn.Parameter(kernel.pack(weight), requires_grad=False)  # a parameter: counted, moved
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, kernel: PackedGemm) -> PackedLinear:
+        """From nn.Linear or any module with `.weight` [out, in] and `.bias`."""
+        return cls(linear.weight, getattr(linear, "bias", None), kernel)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[out, in] fp32: a fresh unpacked copy (not for hot loops)."""
+        panels = self.packed.view(-1, self.in_features, self.kernel.panel)  # [np, K, 16]
+        return panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].contiguous()
+
+    @property
+    def weight_t(self) -> torch.Tensor:
+        """[in, out] view of `weight`."""
+        return self.weight.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        autograd = x.requires_grad and torch.is_grad_enabled()
+        if autograd or x.dtype != torch.float32 or self.packed.dtype != torch.float32:
+            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return self.kernel.linear(x, self.packed, self.out_features, self.bias)
+
+
+def pack_linears(model: nn.Module, kernel: PackedGemm) -> int:
+    """Replace every fp32 nn.Linear in `model` by a PackedLinear; returns how many were replaced.
+
+    A tied LM head gets its own packed copy (V*H more floats); the input embedding keeps the [V, H] table."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype == torch.float32:
+                setattr(parent, name, PackedLinear.from_linear(child, kernel))
+                count += 1
+    return count
