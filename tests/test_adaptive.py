@@ -93,16 +93,43 @@ def test_chain_rests_when_no_depth_beats_a_plain_step(tiny_targets):
     assert all(x.num_nodes == 0 for x in drafts[1:]) and d.last_choice == 0 and d.drafted == 1
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "hybrid", "resting chain"])
+@pytest.mark.parametrize("lookup", [False, True], ids=["tree", "hybrid"])
+def test_tree_rests_when_no_tree_beats_not_drafting(tiny_targets, lookup):
+    """Each extra verify row costs 3 plain steps: after its first (exploring) round the tree skips the drafter
+    until the 8th round; a resting hybrid still proposes the free lookup chain."""
+    target = tiny_targets["llama"]
+    d = AdaptiveDrafter(
+        DFlashDrafter(make_dflash(target, block=8), target),
+        target,
+        tree=True,
+        cost=CostModel({1: 1.0, 2: 4.0, 64: 190.0}),
+        lookup=NgramDrafter(NgramConfig(block_size=5)) if lookup else None,
+    )
+    calls = []
+    draft_logits = d.dflash.draft_logits
+    d.dflash.draft_logits = lambda *a: calls.append(a[2]) or draft_logits(*a)
+    prompt = [5, 17, 33, 9, 40, 5, 17]
+    hidden = target.forward(torch.tensor([prompt]), target.new_cache(), hidden_layers=d.hidden_layers).hidden
+    d.start(prompt, hidden, SamplingParams(), None)
+    drafts = [d.propose([*prompt, 33], 7) for _ in range(9)]  # "5, 17, 33" repeats: the lookup proposes "9, 40"
+    assert len(calls) == 2 and d.drafted == 2  # rounds 0 and 8
+    resting = drafts[1:8]
+    if lookup:
+        assert all(x.tokens[:2].tolist() == [9, 40] for x in resting)
+    else:
+        assert all(x.num_nodes == 0 for x in resting)
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "hybrid", "resting chain", "resting tree", "resting hybrid"])
 def test_adaptive_is_lossless(tiny_target, kind):
-    lookup = NgramDrafter(NgramConfig(block_size=5)) if kind == "hybrid" else None
+    lookup = NgramDrafter(NgramConfig(block_size=5)) if "hybrid" in kind else None
     steep = CostModel({1: 1.0, 2: 2.5, 16: 40.0})  # mostly plain steps, a 1-token chain every 8th round
     drafter = AdaptiveDrafter(
         DFlashDrafter(make_dflash(tiny_target, block=6), tiny_target),
         tiny_target,
-        tree=kind in ("tree", "hybrid"),
+        tree="tree" in kind or "hybrid" in kind,
         max_budget=12,
-        cost=steep if kind == "resting chain" else CostModel({1: 1.0, 4: 1.2, 16: 2.0}),
+        cost=steep if kind.startswith("resting") else CostModel({1: 1.0, 4: 1.2, 16: 2.0}),
         lookup=lookup,
     )
     for prompt in ([5, 17, 33, 9], [7, 7, 7, 7, 7, 7, 12, 40], [5, 17, 33, 9, 40, 41, 5, 17, 33]):

@@ -13,9 +13,22 @@ try:
 except PackageNotFoundError:  # running from a source tree without install
     __version__ = "0.0.0+local"
 
-from byblock.engine.api import generate, stream
-from byblock.errors import ByblockError
-from byblock.models.loading import load_model
-from byblock.sampling.params import SamplingParams
+# The public names load on first use (PEP 562): importing a light submodule (byblock.errors, the model registry,
+# most CLI argument parsers) does not pull in the engine, transformers and the model loaders with it.
+_LAZY = {
+    "generate": "byblock.engine.api",
+    "stream": "byblock.engine.api",
+    "ByblockError": "byblock.errors",
+    "load_model": "byblock.models.loading",
+    "SamplingParams": "byblock.sampling.params",
+}
 
 __all__ = ["ByblockError", "SamplingParams", "__version__", "generate", "load_model", "stream"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'byblock' has no attribute {name!r}")
