@@ -213,8 +213,9 @@ def test_h2o_refuses_batches_and_crops():
 
 def test_h2o_flags_from_the_cli(tiny_llama_dir, tmp_path):
     import json
-    import subprocess
     import sys
+
+    from cli_runs import run_all
 
     from byblock.drafters.dflash_format import save_dflash
     from byblock.models.loading import load_model
@@ -223,13 +224,14 @@ def test_h2o_flags_from_the_cli(tiny_llama_dir, tmp_path):
 
     base = [sys.executable, "-m", "byblock.cli.main", "generate", PROMPT, "--model", str(tiny_llama_dir), "--json"]
     base += ["--max-new-tokens", "24", "--kv-h2o", "6", "--kv-h2o-recent", "4"]
-    runs = {}
     adaptive = ["--drafter", f"dflash:{dflash_dir}", "--adaptive"]  # its cost probe must not crop an H2O cache
-    for name, extra in {"plain": [], "ngram": ["--drafter", "ngram"], "adaptive": adaptive}.items():
-        r = subprocess.run([*base, *extra], capture_output=True, text=True)
+    extras = {"plain": [], "ngram": ["--drafter", "ngram"], "adaptive": adaptive}
+    bads = (["--kv-h2o-recent", "0"], ["--kv-quant", "int8"])
+    results = run_all([[*base, *extra] for extra in [*extras.values(), *bads]])
+    runs = {}
+    for name, r in zip(extras, results, strict=False):
         assert r.returncode == 0, r.stderr
         runs[name] = json.loads(r.stdout)["token_ids"]
     assert runs["plain"] == runs["ngram"] == runs["adaptive"]
-    for bad in (["--kv-h2o-recent", "0"], ["--kv-quant", "int8"]):
-        b = subprocess.run([*base, *bad], capture_output=True, text=True)
+    for b in results[len(extras) :]:
         assert b.returncode == 2 and len(b.stderr.strip().splitlines()) == 1, b.stderr

@@ -287,12 +287,16 @@ def test_default_model_bf16_trees_token_identical():
     tokens on the HumanEval prompt whose DDTree verify first exposed the zero-weight-key problem."""
     from byblock.bench.datasets import load_humaneval
     from byblock.drafters import DrafterSpec, build_drafter
+    from byblock.models.cpu_features import native_bf16
 
     target = real_model_or_skip(dtype="bfloat16")
     ids = target.encode_prompt(load_humaneval(4)[3].user_turns[0], chat=False)
-    params = SamplingParams(max_new_tokens=96)
+    # Where bf16 is emulated (AVX2: ~3x slower than fp32, and nobody would decode in it) the check is shortened to
+    # keep CI within budget; the invariance rules themselves are checked in full on tiny models above.
+    native = native_bf16()
+    params = SamplingParams(max_new_tokens=96 if native else 48)
     plain = generate(target, ids, params).token_ids
-    for spec in ("ddtree", "hybrid"):
+    for spec in ("ddtree", "hybrid") if native else ("ddtree",):
         drafter = build_drafter(DrafterSpec.parse(spec, tree_budget=16), target, "bfloat16")
         assert generate(target, ids, params, drafter=drafter).token_ids == plain, spec
 

@@ -58,23 +58,24 @@ def test_speculative_decoding_is_lossless_under_a_window(tiny_target, kind):
 
 def test_kv_flags_from_the_cli(tiny_llama_dir):
     import json
-    import subprocess
     import sys
+
+    from cli_runs import run_all
 
     base = [sys.executable, "-m", "byblock.cli.main", "generate", PROMPT, "--model", str(tiny_llama_dir), "--json"]
     base += ["--max-new-tokens", "24"]
-    runs = {}
-    for name, extra in {
+    extras = {
         "plain": ["--kv-window", "12", "--kv-sinks", "2"],
         "ngram": ["--kv-window", "12", "--kv-sinks", "2", "--drafter", "ngram"],
         "int4": ["--kv-quant", "int4", "--drafter", "ngram"],
         "int4-plain": ["--kv-quant", "int4"],
-    }.items():
-        r = subprocess.run([*base, *extra], capture_output=True, text=True)
+    }
+    *results, bad = run_all([*([*base, *extra] for extra in extras.values()), [*base, "--kv-window", "-3"]])
+    runs = {}
+    for name, r in zip(extras, results, strict=True):
         assert r.returncode == 0, r.stderr
         runs[name] = json.loads(r.stdout)["token_ids"]
     assert runs["plain"] == runs["ngram"] and runs["int4"] == runs["int4-plain"]
-    bad = subprocess.run([*base, "--kv-window", "-3"], capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 

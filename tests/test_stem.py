@@ -151,25 +151,30 @@ def test_flex_backend_in_a_transformers_model_at_full_budget():
 
 def test_sparse_flags_from_the_cli(tiny_llama_dir):
     import json
-    import subprocess
     import sys
+
+    from cli_runs import run_all
 
     prompt = "The quick brown fox jumps over the lazy dog. " * 30
     base = [sys.executable, "-m", "byblock.cli.main", "generate", prompt, "--model", str(tiny_llama_dir), "--no-chat"]
     flags = ["--max-new-tokens", "4", "--json", "--sparse-block", "16", "--sparse-min-tokens", "64"]
     flags += ["--sparse-dense-layers", "1", "--sparse-backend", "gather"]
-    dense = json.loads(subprocess.run([*base, *flags], capture_output=True, text=True, check=True).stdout)
-    full = json.loads(
-        subprocess.run(
-            [*base, *flags, "--sparse", "stem", "--sparsity", "0"], capture_output=True, text=True, check=True
-        ).stdout
+    runs = run_all(
+        [
+            [*base, *flags],
+            [*base, *flags, "--sparse", "stem", "--sparsity", "0"],
+            [*base, *flags, "--sparse", "stem", "--sparsity", "0.9"],
+            [*base, "--sparse", "stem", "--sparsity", "1.5"],
+        ]
     )
+    assert all(r.returncode == 0 for r in runs[:3]), [r.stderr for r in runs[:3]]
+    dense, full = json.loads(runs[0].stdout), json.loads(runs[1].stdout)
     assert full["token_ids"] == dense["token_ids"] and "stem_density" not in dense
-    sparse = subprocess.run([*base, *flags, "--sparse", "stem", "--sparsity", "0.9"], capture_output=True, text=True)
+    sparse = runs[2]
     out = json.loads(sparse.stdout)
     assert out["stem_density"]["0"] == 1.0 and out["stem_density"]["1"] < 0.6
     assert "warning: --sparsity 0.9" in sparse.stderr
-    bad = subprocess.run([*base, "--sparse", "stem", "--sparsity", "1.5"], capture_output=True, text=True)
+    bad = runs[3]
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 

@@ -15,15 +15,15 @@ The rule (measured costs, running acceptance):
     choose    argmax_d E(d) / (draft + cost(d+1))   (chain)   or   argmax_N E(N) / (draft + cost(size+1))   (tree)
     rest      (chain) when even the best depth is slower than a plain step, max_d E(d) / (draft + cost(d+1)) <
               1 / cost(1), the round skips the drafter and is one plain decoding step
-              (tree) when the last drafted round's best tree was slower than a plain step, likewise; (hybrid) when
-              its best tree was slower than verifying the lookup chain alone, (1 + Σ β) / cost(L+1), the round
-              skips the drafter and verifies the lookup chain only. A tree's E(N) needs this round's drafter
-              output, so tree rounds decide from the last drafted round, a chain from the running counts.
+              (tree) when the last drafted round's best tree was slower than a plain step, likewise. A tree's
+              E(N) needs this round's drafter output, so a tree decides from the last drafted round, a chain
+              from the running counts. The hybrid does not rest: measured, resting its model part after one
+              unprofitable round cost more than it saved on HumanEval (dev/LOG.md, session 11).
 
 Every 8th chain round verifies the whole block, so acceptance at depths the rule stopped using stays measured;
 while resting, that round drafts only the best depth (on a CPU where a deep verify costs three plain steps, a
-whole-block probe every 8th round would cost more than resting saves). A resting tree or hybrid drafts every
-8th round, which re-decides whether its trees pay.
+whole-block probe every 8th round would cost more than resting saves). A resting tree drafts every 8th round,
+which re-decides whether its trees pay.
 The counts behind α, β and ρ forget (weight FORGET per round, towards their prior): acceptance swings between
 turns (a repetitive answer accepts whole blocks, the next one does not), and a rule that pooled all history
 kept drafting deep after such a turn (dev/LOG.md, session 9).
@@ -127,7 +127,7 @@ class AdaptiveDrafter:
         self.last_choice = 0
         self._predicted = 0.0
         self._depth = 0
-        self._model_pays = True  # tree/hybrid: the last drafted round's best tree beat not drafting
+        self._model_pays = True  # tree: the last drafted round's best tree beat a plain step
 
     def start(self, prompt_ids, target_hidden, params: SamplingParams, generator) -> None:
         """Reset per-request drafter state; acceptance statistics carry over (same model, same machine)."""
@@ -153,12 +153,10 @@ class AdaptiveDrafter:
                 return Draft.empty()
             chain_depth = depth if explore and pays else d_best
             draft = self._chain(self.dflash.draft_logits(tokens[-1], len(tokens) - 1, chain_depth), chain_depth)
-        elif not self._model_pays and not explore:  # rest: no drafter forward this round
+        elif self.lookup is None and not self._model_pays and not explore:  # rest: one plain step, no drafter
             self.rounds += 1
-            self._predicted, self._depth = 0.0, 0
-            look = self.lookup.propose(tokens, depth) if self.lookup is not None else Draft.empty()
-            self.last_choice = self._look_len = look.num_nodes
-            return look
+            self._predicted, self.last_choice = 0.0, 0
+            return Draft.empty()
         elif self.lookup is not None:
             logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
             draft = self._hybrid(self.lookup.propose(tokens, depth), logits, draft_s)
@@ -214,7 +212,6 @@ class AdaptiveDrafter:
         size = length + torch.cat([torch.zeros(1, dtype=torch.long), new.long().cumsum(0)])  # [N+1]
         rate = [float(1 + gain[n]) / (draft_s + self.cost(int(size[n]) + 1)) for n in range(len(ids) + 1)]
         n_best = max(range(len(rate)), key=rate.__getitem__)
-        self._model_pays = rate[n_best] > float(1 + beta.sum()) / self.cost(length + 1)  # vs lookup alone, no draft
         self.last_choice = int(size[n_best])
         self._predicted = float((path_p * new)[:n_best].sum())
         self._look_len = length
