@@ -26,6 +26,8 @@ def test_bench_runs_every_setting_on_the_passkey_probe(tiny_llama_dir, tmp_path)
     import subprocess
     import sys
 
+    from cli_runs import run_all
+
     results = tmp_path / "RESULTS.md"
     cmd = [sys.executable, "-m", "byblock.cli.main", "bench", "--model", str(tiny_llama_dir), "--dataset", "passkey"]
     cmd += ["--settings", "dense,stem:0.5,int8,int4,window:4+64,snapkv:32,h2o:16+16", "--methods", "ar,ngram"]
@@ -48,8 +50,5 @@ def test_bench_runs_every_setting_on_the_passkey_probe(tiny_llama_dir, tmp_path)
     text = results.read_text()
     assert "<!-- bench:pk -->" in text and "h2o:16+16" in text and "byblock bench" in text
     bads = (["--settings", "h2o:16"], ["--settings", "dense,dense"], ["--passkey-lengths", "x"], ["--kv-h2o", "8"])
-    pipe = subprocess.PIPE
-    procs = [subprocess.Popen([*cmd[:6], *bad], stdout=pipe, stderr=pipe, text=True) for bad in bads]
-    for p in procs:  # concurrently: each one's time is mostly importing torch
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    for b in run_all([[*cmd[:6], *bad] for bad in bads]):
+        assert b.returncode == 2 and len(b.stderr.strip().splitlines()) == 1, b.stderr

@@ -71,8 +71,8 @@ class DFlashDrafter:
         self.packed_head: PackedLinear | None = None  # the target's fp32 head on the packed kernel, if it is
         self.head_t: torch.Tensor | None = None  # else [H, Vd] for a library matmul
         if isinstance(head, PackedLinear) and dtype in (None, torch.float32):
-            rows = head if draft_vocab is None else PackedLinear(head.weight[draft_vocab], None, head.kernel)
-            self.packed_head = rows
+            restricted = draft_vocab is not None
+            self.packed_head = PackedLinear(head.weight[draft_vocab], None, head.kernel) if restricted else head
         else:
             head_t = head.weight_t if hasattr(head, "weight_t") else head.weight.t()  # [H, V]
             if draft_vocab is not None:

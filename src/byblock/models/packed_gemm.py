@@ -72,9 +72,7 @@ class PackedGemm:
         """x [..., K] fp32 -> [..., N] with the packed weight (bias [N] or None)."""
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
-        x2 = x.reshape(rows, k)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
+        x2 = x.reshape(rows, k).contiguous()  # a no-op for the usual contiguous activations
         y = torch.empty(rows, out_features, dtype=torch.float32)
         if rows:
             self._lib.byblock_packed_linear(
