@@ -34,6 +34,20 @@ def test_stop_strings_stream_equals_final(deltas, stops):
             break
     out += m.flush()
     full = "".join(deltas)
-    cuts = [i for s in stops if (i := full.find(s)) >= 0]
-    expected = full[: min(cuts)] if cuts else full
+    ends = [(i + len(s), i) for s in stops if (i := full.find(s)) >= 0]
+    expected = full[: min(ends)[1]] if ends else full
     assert out == m.text == expected
+    # The cut does not depend on how the text was split: one character at a time gives the same text.
+    one = StopStringMatcher(tuple(stops))
+    for ch in full:
+        one.push(ch)
+    one.flush()
+    assert one.text == expected
+
+
+def test_stop_string_that_ends_first_wins():
+    """'a' completes before '\nab' can: generation stops there, however the deltas were split."""
+    for deltas in (["\na", "b"], ["\nab"], ["\n", "a", "b"]):
+        m = StopStringMatcher(("\nab", "a"))
+        out = "".join(m.push(d) for d in deltas) + m.flush()
+        assert out == m.text == "\n"

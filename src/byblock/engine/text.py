@@ -34,6 +34,24 @@ class IncrementalDetokenizer:
         return full[len(prefix) :]
 
 
+def _first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int:
+    """Start of the stop string that *ends* first in text[start:] (the longest on a tie), or -1.
+
+    Ordering by end, not start, makes the cut independent of how the text was split into deltas: a stop
+    that completes earlier ends generation before a longer one that began earlier could complete (a
+    speculative round commits several tokens at once and must cut where token-by-token decoding would).
+    """
+    best_end, best_start = -1, -1
+    for s in stops:
+        i = text.find(s, start)
+        if i < 0:
+            continue
+        end = i + len(s)
+        if best_end < 0 or end < best_end or (end == best_end and i < best_start):
+            best_end, best_start = end, i
+    return best_start
+
+
 class StopStringMatcher:
     """Accumulate text; report when a stop string appears; release only text that is safe to show."""
 
@@ -59,7 +77,7 @@ class StopStringMatcher:
             return ""
         start = max(0, len(self.text) - max((len(s) for s in self.stops), default=0))
         self.text += delta
-        cut = min((i for s in self.stops if (i := self.text.find(s, start)) >= 0), default=-1)
+        cut = _first_stop(self.text, self.stops, start)
         if cut >= 0:
             self.text = self.text[:cut]
             self.stopped = True
