@@ -3,8 +3,10 @@
 // Why (dev/LOG.md, session 11): on an AVX2 CPU, library GEMMs with 2..32 rows read each weight from memory
 // and then compute, one after the other: a 17-token verify of SmolLM2-135M cost 2.3 plain steps. Here each
 // panel P[p] = W[16p : 16p+16, :]^T is one contiguous [K, 16] stream; a micro-kernel keeps MR <= 6 rows x 16
-// columns of sums in 12 AVX registers, and while the first rows of a panel run it prefetches the next panel,
-// so the memory stream overlaps the arithmetic.
+// columns of sums in 12 AVX registers while it prefetches the next panel, so the memory stream overlaps the
+// arithmetic. Session 12: more rows go in balanced passes (9 = 5 + 4) that each prefetch a share of the next
+// panel (the stream no longer idles after the first pass), and 2-3 rows take two panels at once (enough
+// independent FMA chains); a 17-token forward went from ~2.3 to ~1.8 plain steps (benchmarks/packed_gemm_ab.py).
 //
 // Row invariance: every output element is one FMA chain over k = 0..K-1 in order, whatever MR or the number
 // of rows in the call. A token's logits are therefore bit-identical in a plain step and in a k-token verify.
@@ -35,14 +37,32 @@ inline void store_row(__m256 lo, __m256 hi, float* y, int ncols, const float* bi
 #define BYBLOCK_OUT(i) \
   if (MR > i) store_row(c##i##0, c##i##1, y + i * ldy, ncols, bias);
 
-template <int MR>
+// Prefetch plan for one pass over a panel: lines [first, first + K / every) of the next panel, one every `every`
+// k steps. A panel row of 16 floats is one 64-byte cache line.
+struct Prefetch {
+  const float* next;  // the next panel, or null
+  int64_t first;
+  int every;
+};
+
+// SPREAD: the pass is one of several over this panel and prefetches only its share (a countdown); otherwise it
+// prefetches the whole next panel, one line per k step, without the countdown's branch.
+template <int MR, bool SPREAD>
 void rows_x_panel(const float* __restrict x, const float* __restrict panel, int64_t K, float* y, int64_t ldy,
-                  int ncols, const float* bias, const float* next_panel) {
+                  int ncols, const float* bias, Prefetch pf) {
   const __m256 z = _mm256_setzero_ps();
   __m256 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z, c40 = z, c41 = z, c50 = z, c51 = z;
+  int64_t line = pf.first;
+  int countdown = pf.every;
   for (int64_t k = 0; k < K; ++k) {
     const __m256 w0 = _mm256_load_ps(panel + k * NR), w1 = _mm256_load_ps(panel + k * NR + 8);
-    if (next_panel) _mm_prefetch(reinterpret_cast<const char*>(next_panel + k * NR), _MM_HINT_T0);
+    if (!SPREAD) {
+      if (pf.next) _mm_prefetch(reinterpret_cast<const char*>(pf.next + k * NR), _MM_HINT_T0);
+    } else if (--countdown == 0) {
+      countdown = pf.every;
+      if (line < K) _mm_prefetch(reinterpret_cast<const char*>(pf.next + line * NR), _MM_HINT_T0);
+      ++line;
+    }
     BYBLOCK_ROW(0) BYBLOCK_ROW(1) BYBLOCK_ROW(2) BYBLOCK_ROW(3) BYBLOCK_ROW(4) BYBLOCK_ROW(5)
   }
   BYBLOCK_OUT(0) BYBLOCK_OUT(1) BYBLOCK_OUT(2) BYBLOCK_OUT(3) BYBLOCK_OUT(4) BYBLOCK_OUT(5)
@@ -70,6 +90,54 @@ void row_x_4panels(const float* __restrict x, const float* __restrict p, int64_t
   store_row(b0, b1, y + NR, NR, bias ? bias + NR : nullptr);
   store_row(c0, c1, y + 2 * NR, NR, bias ? bias + 2 * NR : nullptr);
   store_row(d0, d1, y + 3 * NR, NR, bias ? bias + 3 * NR : nullptr);
+}
+
+// Two or three rows x two panels: 8 or 12 independent FMA chains where one panel would give 4 or 6, too few to
+// hide the FMA latency (a 2-row forward cost more than a 6-row one). Prefetches the next pair of panels.
+#define BYBLOCK_ROW2(i)                                           \
+  if (MR > i) {                                                   \
+    __m256 s = _mm256_broadcast_ss(x + i * K + k);                \
+    c##i##0 = _mm256_fmadd_ps(s, wa0, c##i##0);                   \
+    c##i##1 = _mm256_fmadd_ps(s, wa1, c##i##1);                   \
+    c##i##2 = _mm256_fmadd_ps(s, wb0, c##i##2);                   \
+    c##i##3 = _mm256_fmadd_ps(s, wb1, c##i##3);                   \
+  }
+#define BYBLOCK_OUT2(i)                                                        \
+  if (MR > i) {                                                                \
+    store_row(c##i##0, c##i##1, y + i * ldy, NR, bias);                        \
+    store_row(c##i##2, c##i##3, y + i * ldy + NR, NR, bias ? bias + NR : nullptr); \
+  }
+
+template <int MR>
+void rows_x_2panels(const float* __restrict x, const float* __restrict pa, int64_t K, float* y, int64_t ldy,
+                    const float* bias, const float* next) {
+  static_assert(MR >= 1 && MR <= 3, "12 accumulators at most");
+  const __m256 z = _mm256_setzero_ps();
+  __m256 c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z, c20 = z, c21 = z, c22 = z, c23 = z;
+  const float* pb = pa + K * NR;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 wa0 = _mm256_load_ps(pa + k * NR), wa1 = _mm256_load_ps(pa + k * NR + 8);
+    const __m256 wb0 = _mm256_load_ps(pb + k * NR), wb1 = _mm256_load_ps(pb + k * NR + 8);
+    if (next) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * NR), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + (K + k) * NR), _MM_HINT_T0);
+    }
+    BYBLOCK_ROW2(0) BYBLOCK_ROW2(1) BYBLOCK_ROW2(2)
+  }
+  BYBLOCK_OUT2(0) BYBLOCK_OUT2(1) BYBLOCK_OUT2(2)
+}
+
+template <bool SPREAD>
+void rows_pass(int64_t rows, const float* x, const float* panel, int64_t K, float* y, int64_t ldy, int ncols,
+               const float* bias, Prefetch pf) {
+  switch (rows) {
+    case 1: rows_x_panel<1, SPREAD>(x, panel, K, y, ldy, ncols, bias, pf); break;
+    case 2: rows_x_panel<2, SPREAD>(x, panel, K, y, ldy, ncols, bias, pf); break;
+    case 3: rows_x_panel<3, SPREAD>(x, panel, K, y, ldy, ncols, bias, pf); break;
+    case 4: rows_x_panel<4, SPREAD>(x, panel, K, y, ldy, ncols, bias, pf); break;
+    case 5: rows_x_panel<5, SPREAD>(x, panel, K, y, ldy, ncols, bias, pf); break;
+    default: rows_x_panel<6, SPREAD>(x, panel, K, y, ldy, ncols, bias, pf); break;
+  }
 }
 
 }  // namespace
@@ -101,10 +169,34 @@ void byblock_packed_linear(const float* x, int64_t M, int64_t K, const float* P,
       row_x_4panels(x, P + g * 4 * K * NR, K, y + g * 4 * NR, bias ? bias + g * 4 * NR : nullptr);
     for (int64_t p = groups * 4; p < np; ++p) {
       const int ncols = static_cast<int>(N - p * NR < NR ? N - p * NR : NR);
-      rows_x_panel<1>(x, P + p * K * NR, K, y + p * NR, N, ncols, bias ? bias + p * NR : nullptr, nullptr);
+      rows_x_panel<1, false>(x, P + p * K * NR, K, y + p * NR, N, ncols, bias ? bias + p * NR : nullptr,
+                             {nullptr, 0, 1});
     }
     return;
   }
+  if (M <= 3) {
+    const int64_t pairs = full / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int64_t g = 0; g < pairs; ++g) {
+      const float* pa = P + 2 * g * K * NR;
+      const float* next = g + 1 < pairs ? pa + 2 * K * NR : nullptr;
+      const float* b = bias ? bias + 2 * g * NR : nullptr;
+      if (M == 2)
+        rows_x_2panels<2>(x, pa, K, y + 2 * g * NR, N, b, next);
+      else
+        rows_x_2panels<3>(x, pa, K, y + 2 * g * NR, N, b, next);
+    }
+    for (int64_t p = pairs * 2; p < np; ++p) {
+      const int ncols = static_cast<int>(N - p * NR < NR ? N - p * NR : NR);
+      rows_pass<false>(M, x, P + p * K * NR, K, y + p * NR, N, ncols, bias ? bias + p * NR : nullptr,
+                       {nullptr, 0, 1});
+    }
+    return;
+  }
+  // Rows go in passes of up to 6 over each panel; the first pass streams the panel from memory, later ones
+  // re-read it from cache. Each pass prefetches its share of the next panel, so memory keeps streaming during
+  // all of them instead of idling after the first.
+  const int passes = static_cast<int>((M + 5) / 6);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
   for (int64_t p = 0; p < np; ++p) {
     const float* panel = P + p * K * NR;
@@ -113,16 +205,16 @@ void byblock_packed_linear(const float* x, int64_t M, int64_t K, const float* P,
     const float* b = bias ? bias + p * NR : nullptr;
     float* yp = y + p * NR;
     int64_t r = 0;
-    for (; r + 6 <= M; r += 6)
-      rows_x_panel<6>(x + r * K, panel, K, yp + r * N, N, ncols, b, r == 0 ? next : nullptr);
-    const float* pf = r == 0 ? next : nullptr;
-    switch (M - r) {
-      case 1: rows_x_panel<1>(x + r * K, panel, K, yp + r * N, N, ncols, b, pf); break;
-      case 2: rows_x_panel<2>(x + r * K, panel, K, yp + r * N, N, ncols, b, pf); break;
-      case 3: rows_x_panel<3>(x + r * K, panel, K, yp + r * N, N, ncols, b, pf); break;
-      case 4: rows_x_panel<4>(x + r * K, panel, K, yp + r * N, N, ncols, b, pf); break;
-      case 5: rows_x_panel<5>(x + r * K, panel, K, yp + r * N, N, ncols, b, pf); break;
-      default: break;
+    for (int pass = 0; r < M; ++pass) {
+      const Prefetch pf{next, pass * K / passes, passes};
+      const int64_t rows = (M - r + passes - pass - 1) / (passes - pass);  // balanced: 8 = 4 + 4, not 6 + 2
+      if (passes == 1)
+        rows_pass<false>(rows, x + r * K, panel, K, yp + r * N, N, ncols, b, pf);
+      else if (next)
+        rows_pass<true>(rows, x + r * K, panel, K, yp + r * N, N, ncols, b, pf);
+      else
+        rows_pass<false>(rows, x + r * K, panel, K, yp + r * N, N, ncols, b, pf);
+      r += rows;
     }
   }
 }
