@@ -128,7 +128,7 @@ def test_reference_implementation_gives_equal_draft_logits(tmp_path, tiny_target
         torch.testing.assert_close(head(ours[:, 1:]), head(their_h[:, 1:]), rtol=1e-5, atol=1e-5)
 
 
-def test_packed_target_and_drafter_are_lossless():
+def test_packed_target_and_drafter_are_lossless(monkeypatch):
     """fp32 on byblock's packed GEMM (the default load for fp32): the target's linears, the drafter's layers
     and its restricted LM head all on the kernel; greedy output equals plain decoding on the same target."""
     from byblock.models.packed_gemm import PackedLinear, load_kernel, pack_linears
@@ -138,8 +138,11 @@ def test_packed_target_and_drafter_are_lossless():
     assert pack_linears(model, load_kernel()) > 0
     drafter = DFlashDrafter(model, target, draft_vocab=torch.arange(0, target.vocab_size, 2))
     assert isinstance(drafter.packed_head, PackedLinear) and drafter.head_t is None
+    unpacked = []  # `.weight` of a PackedLinear unpacks a fresh copy: never in the decode loop
+    monkeypatch.setattr(PackedLinear, "weight", property(lambda self: unpacked.append(self) or 1 / 0))
     for prompt in ([5, 17, 33, 9], [7, 7, 7]):
         greedy_outputs_match(target, prompt, SamplingParams(max_new_tokens=40), drafter)
+    assert not unpacked
 
 
 def test_bf16_drafter_is_lossless(tiny_targets):

@@ -159,9 +159,14 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype. Read from a norm: `fc.weight` of a packed fp32 drafter unpacks a fresh copy."""
+        return self.hidden_norm.weight.dtype
+
     def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """H_t = RMSNorm(W_c [H^(l1); ...; H^(lk)]): [b, C, k*H] -> [b, C, H]."""
-        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(target_hidden.to(self.dtype)))
 
     def forward(
         self,
@@ -173,7 +178,7 @@ class DFlashDraftModel(nn.Module):
         cache: list[list[torch.Tensor]] | None = None,  # per layer [K, V] of earlier context, extended in place
     ) -> torch.Tensor:
         """Final-normed draft states [b, T, H]; the target's LM head turns them into draft logits."""
-        dtype = self.fc.weight.dtype
+        dtype = self.dtype
         d, theta = self.config.head_dim, self.config.rope_theta
         ctx = self.fuse(target_hidden)
         block_rope = rope_cos_sin(block_positions, d, theta, dtype)
