@@ -6,7 +6,7 @@
 // columns of sums in 12 AVX registers while it prefetches the next panel, so the memory stream overlaps the
 // arithmetic. Session 12: more rows go in balanced passes (9 = 5 + 4) that each prefetch a share of the next
 // panel (the stream no longer idles after the first pass), and 2-3 rows take two panels at once (enough
-// independent FMA chains); a 17-token forward went from ~2.3 to ~1.8 plain steps (benchmarks/packed_gemm_ab.py).
+// independent FMA chains); a 17-token forward went from 2.17 to 1.68 plain steps (benchmarks/packed_gemm_ab.py).
 //
 // Row invariance: every output element is one FMA chain over k = 0..K-1 in order, whatever MR or the number
 // of rows in the call. A token's logits are therefore bit-identical in a plain step and in a k-token verify.
@@ -208,9 +208,7 @@ void byblock_packed_linear(const float* x, int64_t M, int64_t K, const float* P,
     for (int pass = 0; r < M; ++pass) {
       const Prefetch pf{next, pass * K / passes, passes};
       const int64_t rows = (M - r + passes - pass - 1) / (passes - pass);  // balanced: 8 = 4 + 4, not 6 + 2
-      if (passes == 1)
-        rows_pass<false>(rows, x + r * K, panel, K, yp + r * N, N, ncols, b, pf);
-      else if (next)
+      if (passes > 1 && next)
         rows_pass<true>(rows, x + r * K, panel, K, yp + r * N, N, ncols, b, pf);
       else
         rows_pass<false>(rows, x + r * K, panel, K, yp + r * N, N, ncols, b, pf);
