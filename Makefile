@@ -30,9 +30,10 @@ demo: setup
 	$(VENV)/bin/byblock bench --quick
 
 # Two workers: the tests pin torch to one thread each (tests/conftest.py), so a second worker uses the second
-# core instead of leaving it idle; CI time nearly halves on the 2-core machines.
+# core instead of leaving it idle; CI time nearly halves on the 2-core machines. --dist loadfile keeps each file's
+# tests in one process, in order (test_server_fuzz.py checks what its fuzz test left in the app's metrics).
 test: setup
-	$(PY) -m pytest -q -n 2 --durations=20
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
