@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache
 
 from byblock.models.h2o import H2OState
+from byblock.models.kv_buffer import BufferedLayer
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class KVCache:
             from byblock.models.kv_quant import QuantizedLayer
 
             self.hf.layer_class_to_replicate = partial(QuantizedLayer, bits=kv_bits)
+        else:  # append in place instead of re-concatenating the whole cache every forward (models/kv_buffer.py)
+            self.hf.layer_class_to_replicate = BufferedLayer
 
     @property
     def length(self) -> int:

@@ -21,6 +21,7 @@ from byblock.errors import ByblockError, ModelNotFoundError
 from byblock.models.adapter import TargetModel
 from byblock.models.cpu_features import native_bf16
 from byblock.models.fast_linear import dual_layout_linears, relayout_linears
+from byblock.models.gqa_sdpa import enable_gqa_sdpa
 from byblock.models.invariant import enable_row_invariance, probe_row_invariance
 from byblock.models.packed_gemm import load_kernel, pack_linears
 from byblock.models.registry import BUILTIN_MODELS, resolve_builtin
@@ -216,12 +217,15 @@ def load_model(
                 "token-identical to plain decoding here; --dtype float32 avoids bf16's near-ties",
                 failure,
             )
-    elif relayout == "dual":
-        dual_layout_linears(model)
-    elif relayout in (True, "packed") and dtype == torch.float32 and (kernel := load_kernel()) is not None:
-        pack_linears(model, kernel)
-    elif relayout == "packed":
-        raise ByblockError("--linears packed needs float32 weights, g++ and an AVX2 CPU (models/packed_gemm.py)")
-    elif relayout:
-        relayout_linears(model)
+    else:
+        if attn_implementation == "sdpa":
+            enable_gqa_sdpa(model)  # masked verify forwards without repeat_kv copies (models/gqa_sdpa.py)
+        if relayout == "dual":
+            dual_layout_linears(model)
+        elif relayout in (True, "packed") and dtype == torch.float32 and (kernel := load_kernel()) is not None:
+            pack_linears(model, kernel)
+        elif relayout == "packed":
+            raise ByblockError("--linears packed needs float32 weights, g++ and an AVX2 CPU (models/packed_gemm.py)")
+        elif relayout:
+            relayout_linears(model)
     return TargetModel(model.eval(), tok, name=name_or_path)

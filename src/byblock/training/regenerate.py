@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from byblock.errors import ByblockError
+from byblock.models.kv_buffer import buffered_cache
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,6 @@ def generate_batch(
     Left-padded prefill, then one token per step; a finished row is dropped from the batch (and its KV
     cache) at once, so short answers do not pay for long ones.
     """
-    from transformers import DynamicCache
-
     n = len(prompts)
     width = max(len(p) for p in prompts)
     ids = torch.full((n, width), pad_id, dtype=torch.long)  # [n, P]
@@ -113,7 +112,7 @@ def generate_batch(
     # row is empty (an all-masked row would put NaN into the cache).
     causal = torch.tril(torch.ones(width, width, dtype=torch.bool))
     prefill_mask = (causal[None] & attn.bool()[:, None, :]) | torch.eye(width, dtype=torch.bool)[None]
-    cache = DynamicCache()
+    cache = buffered_cache()  # appends in place: a batch-64 cache is too big to re-concatenate every step
     out = hf_model(
         input_ids=ids,
         attention_mask=prefill_mask[:, None],  # [n, 1, P, P]

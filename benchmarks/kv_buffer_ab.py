@@ -1,0 +1,63 @@
+"""Target forward cost, transformers' cache and SDPA backend vs byblock's (models/kv_buffer.py, gqa_sdpa.py).
+
+Two copies of the same model in one process: "old" appends K/V by concatenation (DynamicLayer) and attends with
+transformers' `sdpa` backend (repeat_kv under a mask); "new" is what load_model gives (preallocated buffer, GQA
+SDPA). For each cached context and block size k, forwards alternate between the two (order flipped every
+repetition, so drift hits both alike); medians, their ratio, and whether the logits are bitwise equal.
+
+    OMP_NUM_THREADS=1 taskset -c 0 python benchmarks/kv_buffer_ab.py --contexts 300 1000 --blocks 1 9 17 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from byblock import load_model
+from byblock.bench.hardware import describe_machine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[300, 1000])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[1, 9, 17, 32])
+    ap.add_argument("--reps", type=int, default=12)
+    args = ap.parse_args()
+    new = load_model(args.model, dtype="float32")
+    old = load_model(args.model, dtype="float32")
+    old.hf.set_attn_implementation("sdpa")
+    models = {"old": old, "new": new}
+    print(f"machine: {describe_machine()}; torch threads {torch.get_num_threads()}")
+    print("| cached | k | old ms | new ms | new/old | logits bitwise equal |")
+    print("|---:|---:|---:|---:|---:|:---:|")
+    g = torch.Generator().manual_seed(0)
+    for ctx in args.contexts:
+        prompt = torch.randint(100, 10000, (1, ctx), generator=g)
+        caches = {}
+        for name, m in models.items():
+            caches[name] = m.new_cache()
+            if name == "old":
+                caches[name].hf.layer_class_to_replicate = DynamicLayer
+            m.forward(prompt, caches[name], logits_to_keep=1)
+        for k in args.blocks:
+            block = torch.randint(100, 10000, (1, k), generator=g)
+            times: dict[str, list[float]] = {"old": [], "new": []}
+            logits = {}
+            for rep in range(args.reps):
+                for name in ("old", "new") if rep % 2 else ("new", "old"):
+                    t0 = time.perf_counter()
+                    logits[name] = models[name].forward(block, caches[name], logits_to_keep=k).logits
+                    times[name].append(time.perf_counter() - t0)
+                    caches[name].crop(ctx)
+            a, b = (statistics.median(times[n]) * 1e3 for n in ("old", "new"))
+            same = torch.equal(logits["old"], logits["new"])
+            print(f"| {ctx} | {k} | {a:.1f} | {b:.1f} | {b / a:.3f} | {'yes' if same else 'NO'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

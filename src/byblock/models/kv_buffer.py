@@ -1,0 +1,128 @@
+"""A KV-cache layer that appends into a preallocated buffer instead of re-concatenating the whole cache.
+
+transformers' DynamicLayer appends with `torch.cat([keys, new], -2)`: every forward copies the layer's whole
+cache, so a decode step costs O(context) copies per layer (at 300 cached tokens SmolLM2's 60 cats took ~4 ms of a
+~60 ms fp32 step on one core, and more as the context grows). Here K and V live in a buffer [B, H, capacity, D]
+that doubles when full; `keys` / `values` are views of its first `length` slots, and an append writes only the
+new slots. Attention reads the same numbers in the same order as from a concatenated tensor.
+
+Assigning `keys` / `values` keeps working for the code that compacts a cache by assignment (KVCache.crop/keep,
+H2O, SnapKV): a prefix view of the buffer just sets the length (a crop, no copy); any other tensor — always a
+fresh one (index_select / gather results) — is copied into the buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+MIN_CAPACITY = 256  # slots allocated at first use; doubled whenever an append would overflow
+
+
+class _Slots:
+    """One of K or V: a growable buffer [B, H, capacity, D] and the number of slots in use."""
+
+    __slots__ = ("buf", "length")
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.length = 0
+
+    def view(self) -> torch.Tensor | None:
+        """The slots in use, [B, H, length, D] (a view: no copy)."""
+        return None if self.buf is None else self.buf[:, :, : self.length]
+
+    @torch.inference_mode()  # the buffers are inference tensors: a cache is written by forwards and by compactions
+    def reserve(self, like: torch.Tensor, slots: int) -> None:
+        """Make room for `slots` slots shaped like `like` [B, H, *, D], keeping the ones in use."""
+        b, h, _, d = like.shape
+        buf = self.buf
+        if buf is not None and buf.shape[0] == b and buf.shape[-2] >= slots and buf.dtype == like.dtype:
+            return
+        cap = max(MIN_CAPACITY, slots, 2 * (buf.shape[-2] if buf is not None else 0))
+        grown = torch.empty(b, h, cap, d, dtype=like.dtype, device=like.device)
+        if buf is not None and self.length and buf.shape[0] == b:
+            grown[:, :, : self.length] = buf[:, :, : self.length]
+        self.buf = grown
+
+    @torch.inference_mode()
+    def append(self, new: torch.Tensor) -> torch.Tensor:
+        """Write `new` [B, H, T, D] after the slots in use; returns the view of all of them."""
+        t = new.shape[-2]
+        self.reserve(new, self.length + t)
+        assert self.buf is not None
+        self.buf[:, :, self.length : self.length + t] = new
+        self.length += t
+        return self.buf[:, :, : self.length]
+
+    def assign(self, value: torch.Tensor | None) -> None:
+        """Replace the slots in use by `value` (a prefix view of the buffer is a crop: no copy)."""
+        buf = self.buf
+        if value is None or value.dim() != 4:  # transformers' lazy init / reset: nothing in use
+            self.length = 0
+            if value is None:
+                self.buf = None
+            return
+        if (
+            buf is not None
+            and value.data_ptr() == buf.data_ptr()
+            and value.stride() == buf.stride()
+            and value.shape[-2] <= buf.shape[-2]
+            and value.shape[:2] == buf.shape[:2]
+        ):
+            self.length = value.shape[-2]
+            return
+        self.length = 0
+        self.append(value)
+
+
+class BufferedLayer(DynamicLayer):
+    """DynamicLayer whose `update` writes into a preallocated, doubling buffer (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._k = _Slots()
+        self._v = _Slots()
+        super().__init__()
+
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        """Cached keys [B, Hkv, length, D] (a view of the buffer)."""
+        return self._k.view()
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._k.assign(value)
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        """Cached values [B, Hkv, length, D] (a view of the buffer)."""
+        return self._v.view()
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._v.assign(value)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new K/V [B, Hkv, T, D]; return all cached K/V (views)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self._k.append(key_states), self._v.append(value_states)
+
+    def get_seq_length(self) -> int:
+        """Number of cached slots."""
+        return self._k.length if self.is_initialized else 0
+
+    def nbytes_reserved(self) -> int:
+        """Bytes the buffers hold, used or not."""
+        return sum(s.buf.numel() * s.buf.element_size() for s in (self._k, self._v) if s.buf is not None)
+
+
+def buffered_cache():
+    """A transformers DynamicCache whose layers are BufferedLayer (for batched loops outside KVCache)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = BufferedLayer
+    return cache
