@@ -17,8 +17,8 @@ def _same(a: BufferedLayer, b: DynamicLayer) -> None:
 
 
 def test_buffered_layer_tracks_a_dynamic_layer_through_every_operation():
-    """Appends (growing past the capacity), crops, slot compaction, gathers and batch selection, in a random
-    order: the buffered layer always holds exactly what the concatenating one holds."""
+    """Appends (growing past the capacity), crops, slot compaction, leading-slot drops, gathers and batch
+    selection, in a random order: the buffered layer always holds exactly what the concatenating one holds."""
     g = torch.Generator().manual_seed(0)
     ours, ref = BufferedLayer(), DynamicLayer()
     batch, heads, dim = 3, 2, 8
@@ -27,7 +27,7 @@ def test_buffered_layer_tracks_a_dynamic_layer_through_every_operation():
         return torch.randn(batch, heads, t, dim, generator=g), torch.randn(batch, heads, t, dim, generator=g)
 
     for step in range(60):
-        op = int(torch.randint(5, (1,), generator=g)) if step > 2 else 0
+        op = int(torch.randint(6, (1,), generator=g)) if step > 2 else 0
         n = ref.get_seq_length()
         if op <= 1 or n < 4:
             k, v = kv(int(torch.randint(1, 200, (1,), generator=g)))
@@ -41,6 +41,10 @@ def test_buffered_layer_tracks_a_dynamic_layer_through_every_operation():
             slots = torch.randperm(n, generator=g)[: max(1, n // 2)].sort().values
             for layer in (ours, ref):
                 layer.keys, layer.values = layer.keys.index_select(-2, slots), layer.values.index_select(-2, slots)
+        elif op == 4:  # continuous batching: drop the leading slots every row has as padding
+            lead = int(torch.randint(1, n, (1,), generator=g))
+            for layer in (ours, ref):
+                layer.keys, layer.values = layer.keys[..., lead:, :], layer.values[..., lead:, :]
         else:  # H2O / SnapKV: a per-head gather
             idx = torch.stack([torch.randperm(n, generator=g)[: n // 2].sort().values for _ in range(heads)])
             idx = idx[None, :, :, None].expand(batch, -1, -1, dim)

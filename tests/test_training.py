@@ -36,7 +36,7 @@ def regen_dir(tmp_path_factory, tiny_llama_dir):
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     cfg = RegenConfig(
-        target=str(tiny_llama_dir), prompts=str(prompts), layer_ids=(0, 1), max_new_tokens=24, batch_size=3
+        target=str(tiny_llama_dir), prompts=str(prompts), layer_ids=(0, 1), max_new_tokens=24, batch_size=3, rows=2
     )
     regenerate(cfg, root / "regen", progress=False)
     return root
@@ -289,3 +289,52 @@ def test_loss_is_finite_when_a_position_has_no_soft_target(tmp_path, regen_dir, 
     batch.soft_ids[row[0], row[1]] = IGNORE  # every top-k token outside the draft vocabulary
     loss, _ = trainer.loss(batch, trainer.net)
     assert torch.isfinite(loss)
+
+
+def test_continuous_decoder_refills_compacts_and_matches_plain_greedy(tiny_llama_dir):
+    """Rows of very different lengths through a 3-row running batch refilled one row at a time, with leading
+    padding dropped every 2 slots: every answer and its features equal decoding that prompt alone."""
+    from byblock.training.regen_decode import ContinuousDecoder, DecodeSettings
+
+    target = load_model(str(tiny_llama_dir), relayout=False)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (2, 9, 1, 17, 4, 30, 3, 6)]
+    settings = DecodeSettings(
+        layer_ids=(0, 1), eos_ids=frozenset({0}), pad_id=0, max_new_tokens=11, topk=4, temperature=0.0,
+        rows=3, refill=1, compact=2,
+    )  # fmt: skip
+    jobs = [(i, p, i) for i, p in enumerate(prompts)]
+    got = dict(ContinuousDecoder(target.hf, settings).run(jobs))
+    assert sorted(got) == list(range(len(prompts)))
+    for i, p in enumerate(prompts):
+        plain = generate(target, p, SamplingParams(max_new_tokens=11, ignore_eos=False))
+        assert got[i]["tokens"].tolist() == p + plain.token_ids
+        out = target.forward(got[i]["tokens"][None, :-1].long(), target.new_cache(), hidden_layers=(0, 1))
+        torch.testing.assert_close(got[i]["hidden"].float(), out.hidden[0], rtol=2e-2, atol=2e-2)
+
+
+def test_continuous_decoder_samples_do_not_depend_on_the_batch(tiny_llama_dir):
+    """A sampled answer is drawn from its own seeded stream: the same alone and in a refilled batch."""
+    from byblock.training.regen_decode import ContinuousDecoder, DecodeSettings
+
+    target = load_model(str(tiny_llama_dir), relayout=False)
+    prompts = [[5, 6, 7], [9], [11, 12, 13, 14, 15], [20, 21]]
+    jobs = [(i, p, 100 + i) for i, p in enumerate(prompts)]
+
+    def run(rows: int) -> dict[int, list[int]]:
+        settings = DecodeSettings(
+            layer_ids=(0,), eos_ids=frozenset({0}), pad_id=0, max_new_tokens=12, topk=2, temperature=1.0,
+            rows=rows, refill=1,
+        )  # fmt: skip
+        return {k: v["tokens"].tolist() for k, v in ContinuousDecoder(target.hf, settings).run(jobs)}
+
+    alone, together = run(1), run(3)
+    assert alone == together
+    assert len({tuple(v[len(p) :]) for v, p in zip(alone.values(), prompts, strict=True)}) > 1
+
+
+def test_regenerate_rejects_bad_settings(tiny_llama_dir):
+    from byblock.errors import ByblockError
+
+    with pytest.raises(ByblockError, match="rows must be at least 1"):
+        RegenConfig(target=str(tiny_llama_dir), prompts="p.jsonl", layer_ids=(0,), rows=0)

@@ -56,7 +56,13 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--features", type=int, default=5, help="target layers whose hidden states are fused")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped")
-    g.add_argument("--batch-size", type=int, default=64, help="sequences decoded together")
+    g.add_argument("--batch-size", type=int, default=64, help="sequences per shard (the unit of resumption)")
+    g.add_argument(
+        "--regen-rows",
+        type=int,
+        default=128,
+        help="rows decoded together, refilled as answers end (may change on resume)",
+    )
     g.add_argument("--topk", type=int, default=8, help="target log-probs kept per position (distillation)")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy responses")
     g.add_argument("--limit", type=int, default=None, help="regenerate only this many prompts")
@@ -122,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             max_prompt_tokens=args.max_prompt_tokens,
             batch_size=args.batch_size,
+            rows=args.regen_rows,
             topk=args.topk,
             temperature=args.temperature,
             seed=args.seed,

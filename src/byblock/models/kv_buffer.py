@@ -39,7 +39,9 @@ class _Slots:
         buf = self.buf
         if buf is not None and buf.shape[0] == b and buf.shape[-2] >= slots and buf.dtype == like.dtype:
             return
-        cap = max(MIN_CAPACITY, slots, 2 * (buf.shape[-2] if buf is not None else 0))
+        cap = max(MIN_CAPACITY, buf.shape[-2] if buf is not None else 0)
+        while cap < slots:  # doubling: appends cost amortised O(1) copies per slot
+            cap *= 2
         grown = torch.empty(b, h, cap, d, dtype=like.dtype, device=like.device)
         if buf is not None and self.length and buf.shape[0] == b:
             grown[:, :, : self.length] = buf[:, :, : self.length]
@@ -72,6 +74,8 @@ class _Slots:
         ):
             self.length = value.shape[-2]
             return
+        if buf is not None and value.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+            value = value.clone()  # a view into the buffer (e.g. dropping leading slots): no overlapping copy
         self.length = 0
         self.append(value)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from byblock.errors import ByblockError
-from byblock.models.kv_buffer import buffered_cache
+from byblock.training.regen_decode import ContinuousDecoder, DecodeSettings
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class RegenConfig:
     layer_ids: tuple[int, ...]
     max_new_tokens: int = 256
     max_prompt_tokens: int = 384
-    batch_size: int = 64
+    batch_size: int = 64  # sequences per shard
     topk: int = 8
     temperature: float = 0.0  # 0 = greedy responses (what greedy speculative decoding will verify)
     seed: int = 0
@@ -46,11 +46,20 @@ class RegenConfig:
     # The target's weights while regenerating. bf16 matches how byblock serves it by default and its GEMMs are
     # ~2.7x faster on AVX512-BF16 CPUs; features and top-k are stored in bf16 / fp32 either way.
     dtype: str = "float32"
+    # Rows decoded together (continuous batching, training/regen_decode.py): the answers do not depend on it, so
+    # a resumed run may change it.
+    rows: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "topk", "rows"):
+            if getattr(self, name) < 1:
+                raise ByblockError(f"regenerate: {name} must be at least 1, got {getattr(self, name)}")
 
     def manifest_key(self) -> dict:
         """The fields a resumed run must agree on (limit may grow: shards are a prefix of one order)."""
         d = asdict(self)
         d.pop("limit")
+        d.pop("rows")
         d["prompts"] = Path(self.prompts).name  # the same file may sit elsewhere in another checkout
         d["layer_ids"] = list(self.layer_ids)
         return d
@@ -80,103 +89,6 @@ def plan_shards(lengths: list[int], batch_size: int, seed: int, window: int = 8)
 def shard_path(out_dir: Path, index: int) -> Path:
     """Where shard `index` lives."""
     return out_dir / f"shard_{index:05d}.safetensors"
-
-
-@torch.inference_mode()
-def generate_batch(
-    hf_model: torch.nn.Module,
-    prompts: list[list[int]],
-    layer_ids: tuple[int, ...],
-    eos_ids: frozenset[int],
-    pad_id: int,
-    max_new_tokens: int,
-    topk: int,
-    temperature: float,
-    generator: torch.Generator,
-) -> list[dict[str, torch.Tensor]]:
-    """Decode a batch of prompts to completion; return per sequence its tokens, hidden rows and top-k.
-
-    Left-padded prefill, then one token per step; a finished row is dropped from the batch (and its KV
-    cache) at once, so short answers do not pay for long ones.
-    """
-    n = len(prompts)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)  # [n, P]
-    attn = torch.zeros((n, width), dtype=torch.long)  # [n, P]
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        attn[i, width - len(p) :] = 1
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [n, P]
-    # Explicit 4-D boolean masks: with a 2-D padding mask transformers builds its own and decode steps run
-    # ~7x slower on CPU (measured: 1.32 s vs 0.18 s per step at batch 32). A padding query sees itself so no
-    # row is empty (an all-masked row would put NaN into the cache).
-    causal = torch.tril(torch.ones(width, width, dtype=torch.bool))
-    prefill_mask = (causal[None] & attn.bool()[:, None, :]) | torch.eye(width, dtype=torch.bool)[None]
-    cache = buffered_cache()  # appends in place: a batch-64 cache is too big to re-concatenate every step
-    out = hf_model(
-        input_ids=ids,
-        attention_mask=prefill_mask[:, None],  # [n, 1, P, P]
-        position_ids=pos,
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1,
-        output_hidden_states=True,
-    )
-    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # [n, P, kH]
-    hidden = [[feats[i, width - len(p) :].to(torch.bfloat16)] for i, p in enumerate(prompts)]
-    response: list[list[int]] = [[] for _ in range(n)]
-    top_ids: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    top_lp: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    alive = torch.arange(n)  # row r of the running batch is sequence alive[r]
-    logits = out.logits[:, -1].float()  # [n, V]
-    next_pos = pos[:, -1] + 1  # [n]
-    while True:
-        logp = torch.log_softmax(logits, dim=-1)  # [b, V]
-        if temperature > 0:
-            u = torch.rand(logp.shape, generator=generator).clamp_min(1e-20)
-            nxt = (logp / temperature - torch.log(-torch.log(u))).argmax(-1)  # Gumbel-max sample
-        else:
-            nxt = logp.argmax(-1)
-        lp, li = logp.topk(topk, dim=-1)  # [b, k]
-        keep = []
-        for r, s in enumerate(alive.tolist()):
-            tok = int(nxt[r])
-            response[s].append(tok)
-            top_ids[s].append(li[r].to(torch.int32))
-            top_lp[s].append(lp[r].to(torch.float16))
-            if tok not in eos_ids and len(response[s]) < max_new_tokens:
-                keep.append(r)
-        if not keep:
-            break
-        if len(keep) < len(alive):
-            idx = torch.tensor(keep)
-            cache.batch_select_indices(idx)
-            alive, attn, next_pos, nxt = alive[idx], attn[idx], next_pos[idx], nxt[idx]
-        attn = torch.cat([attn, torch.ones(len(alive), 1, dtype=torch.long)], dim=-1)
-        out = hf_model(
-            input_ids=nxt[:, None],
-            attention_mask=attn.bool()[:, None, None, :],  # [b, 1, 1, past+1]
-            position_ids=next_pos[:, None],
-            cache=cache,
-            use_cache=True,
-            output_hidden_states=True,
-        )
-        feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # [b, 1, kH]
-        for r, s in enumerate(alive.tolist()):
-            hidden[s].append(feats[r].to(torch.bfloat16))
-        logits = out.logits[:, -1].float()
-        next_pos = next_pos + 1
-    result = []
-    for s in range(n):
-        result.append(
-            {
-                "tokens": torch.tensor(prompts[s] + response[s], dtype=torch.int32),
-                "hidden": torch.cat(hidden[s]),  # [P + R - 1, kH]: every token but the last was fed
-                "topk_ids": torch.stack(top_ids[s]),  # [R, k]
-                "topk_logp": torch.stack(top_lp[s]),  # [R, k]
-            }
-        )
-    return result
 
 
 def pack_shard(seqs: list[dict[str, torch.Tensor]], prompt_lens: list[int], prompt_index: list[int]) -> dict:
@@ -256,33 +168,45 @@ def regenerate(cfg: RegenConfig, out_dir: str | Path, progress: bool = True) -> 
     )
     pad_id = target.tokenizer.pad_token_id
     pad_id = int(pad_id if pad_id is not None else min(target.eos_token_ids))
-    gen = torch.Generator().manual_seed(cfg.seed)
+    settings = DecodeSettings(
+        layer_ids=cfg.layer_ids,
+        eos_ids=target.eos_token_ids,
+        pad_id=pad_id,
+        max_new_tokens=cfg.max_new_tokens,
+        topk=cfg.topk,
+        temperature=cfg.temperature,
+        rows=cfg.rows,
+        refill=max(1, cfg.rows // 8),
+    )
+    # Prompts stream through one running batch in shard order; a shard is written once all its answers are in.
+    # A sampled answer's seed is its prompt's index, so it does not depend on which rows shared its steps.
+    jobs = ((i, encoded[i], cfg.seed * 1_000_003 + i) for k in todo for i in shards[k])
+    shard_of = {i: k for k in todo for i in shards[k]}
+    answers: dict[int, dict[int, dict[str, torch.Tensor]]] = {k: {} for k in todo}
     made_tokens, t_start = 0, time.perf_counter()
-    bar = tqdm(todo, desc="regenerate", unit="shard", disable=not progress, dynamic_ncols=True)
-    for k in bar:
-        t_shard = time.perf_counter()
-        gen.manual_seed(cfg.seed * 1_000_003 + k)  # a shard's samples do not depend on what ran before
-        batch = [encoded[i] for i in shards[k]]
-        seqs = generate_batch(
-            target.hf,
-            batch,
-            cfg.layer_ids,
-            target.eos_token_ids,
-            pad_id,
-            cfg.max_new_tokens,
-            cfg.topk,
-            cfg.temperature,
-            gen,
-        )
-        packed = pack_shard(seqs, [len(p) for p in batch], shards[k])
+    t_last = t_start
+    bar = tqdm(total=len(todo), desc="regenerate", unit="shard", disable=not progress, dynamic_ncols=True)
+    for i, answer in ContinuousDecoder(target.hf, settings).run(jobs):
+        k = shard_of[i]
+        answers[k][i] = answer
+        if len(answers[k]) < len(shards[k]):
+            continue
+        done = answers.pop(k)
+        seqs = [done[j] for j in shards[k]]
+        packed = pack_shard(seqs, [len(encoded[j]) for j in shards[k]], shards[k])
         final = shard_path(out_dir, k)
         tmp = final.with_name(final.name + ".tmp")
         save_file(packed, str(tmp))
         os.replace(tmp, final)
-        made_tokens += sum(len(s["topk_ids"]) for s in seqs)
-        _add_stats(out_dir, len(seqs), sum(len(s["topk_ids"]) for s in seqs), time.perf_counter() - t_shard)
-        rate = made_tokens / (time.perf_counter() - t_start)
+        tokens = sum(len(s["topk_ids"]) for s in seqs)
+        made_tokens += tokens
+        now = time.perf_counter()
+        _add_stats(out_dir, len(seqs), tokens, now - t_last)
+        t_last = now
+        rate = made_tokens / (now - t_start)
+        bar.update(1)
         bar.set_postfix(resp_tok_s=f"{rate:.0f}")
         log.info("shard %d: %d sequences, %d response tokens total, %.1f tok/s", k, len(seqs), made_tokens, rate)
+    bar.close()
     done = [k for k in range(len(shards)) if shard_path(out_dir, k).is_file()]
     return {"shards": len(done), "planned": len(shards), "new_response_tokens": made_tokens}
