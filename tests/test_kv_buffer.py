@@ -37,19 +37,27 @@ def test_buffered_layer_tracks_a_dynamic_layer_through_every_operation():
             keep = int(torch.randint(1, n, (1,), generator=g))
             for layer in (ours, ref):
                 layer.keys, layer.values = layer.keys[..., :keep, :], layer.values[..., :keep, :]
-        elif op == 3:  # KVCache.keep: a tree's accepted path
-            slots = torch.randperm(n, generator=g)[: max(1, n // 2)].sort().values
-            for layer in (ours, ref):
-                layer.keys, layer.values = layer.keys.index_select(-2, slots), layer.values.index_select(-2, slots)
+        elif op == 3:  # KVCache.keep: a tree's accepted path after a kept prefix, or any increasing subset
+            prefix = int(torch.randint(0, n, (1,), generator=g)) if step % 2 else 0
+            rest = torch.randperm(n - prefix, generator=g)[: max(1, (n - prefix) // 2)].sort().values + prefix
+            slots = torch.cat([torch.arange(prefix), rest])
+            ptr = ours.keys.data_ptr()
+            ours.keep(slots)
+            assert ours.keys.data_ptr() == ptr  # moved within its buffer
+            ref.keys, ref.values = ref.keys.index_select(-2, slots), ref.values.index_select(-2, slots)
         elif op == 4:  # continuous batching: drop the leading slots every row has as padding
             lead = int(torch.randint(1, n, (1,), generator=g))
             for layer in (ours, ref):
                 layer.keys, layer.values = layer.keys[..., lead:, :], layer.values[..., lead:, :]
-        else:  # H2O / SnapKV: a per-head gather
+        elif step % 3:  # H2O / SnapKV: a per-head gather
             idx = torch.stack([torch.randperm(n, generator=g)[: n // 2].sort().values for _ in range(heads)])
             idx = idx[None, :, :, None].expand(batch, -1, -1, dim)
             for layer in (ours, ref):
                 layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
+        else:  # the assignment path of KVCache.keep for other layers
+            slots = torch.randperm(n, generator=g)[: max(1, n // 2)].sort().values
+            for layer in (ours, ref):
+                layer.keys, layer.values = layer.keys.index_select(-2, slots), layer.values.index_select(-2, slots)
         _same(ours, ref)
     rows = torch.tensor([0, 2])
     ours.batch_select_indices(rows)

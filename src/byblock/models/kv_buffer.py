@@ -57,6 +57,19 @@ class _Slots:
         self.length += t
         return self.buf[:, :, : self.length]
 
+    @torch.inference_mode()
+    def keep(self, slots: torch.Tensor) -> None:
+        """Keep `slots` (int64 [n], increasing) in order. The slots before the first gap stay where they are;
+        only the rest are moved (a tree commit keeps the whole prefix plus a short accepted path)."""
+        n = int(slots.numel())
+        ident = slots == torch.arange(n)
+        head = n if bool(ident.all()) else int(ident.long().argmin())  # first slot that moves
+        if head < n:
+            assert self.buf is not None
+            tail = self.buf.index_select(2, slots[head:])  # [B, H, n - head, D], a copy: sources may overlap
+            self.buf[:, :, head:n] = tail
+        self.length = n
+
     def assign(self, value: torch.Tensor | None) -> None:
         """Replace the slots in use by `value` (a prefix view of the buffer is a crop: no copy)."""
         buf = self.buf
@@ -113,6 +126,11 @@ class BufferedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         return self._k.append(key_states), self._v.append(value_states)
+
+    def keep(self, slots: torch.Tensor) -> None:
+        """Keep only `slots` (int64 [n], increasing), in that order, moving as few slots as possible."""
+        self._k.keep(slots)
+        self._v.keep(slots)
 
     def get_seq_length(self) -> int:
         """Number of cached slots."""

@@ -124,6 +124,8 @@ class KVCache:
                 continue
             if hasattr(layer, "select"):
                 layer.select(slots)
+            elif isinstance(layer, BufferedLayer):
+                layer.keep(slots)
             else:
                 layer.keys = layer.keys.index_select(-2, slots)
                 layer.values = layer.values.index_select(-2, slots)
