@@ -32,7 +32,10 @@ class _Slots:
         """The slots in use, [B, H, length, D] (a view: no copy)."""
         return None if self.buf is None else self.buf[:, :, : self.length]
 
-    @torch.inference_mode()  # the buffers are inference tensors: a cache is written by forwards and by compactions
+    # The buffers are normal tensors written under no_grad, whatever mode the caller runs in: forwards run under
+    # inference_mode, compactions (StreamingLLM eviction) outside it, and dLLM denoisers with grad enabled. An
+    # inference tensor could not be written outside inference_mode nor read by a grad-recording forward.
+    @torch.no_grad()
     def reserve(self, like: torch.Tensor, slots: int) -> None:
         """Make room for `slots` slots shaped like `like` [B, H, *, D], keeping the ones in use."""
         b, h, _, d = like.shape
@@ -42,12 +45,13 @@ class _Slots:
         cap = max(MIN_CAPACITY, buf.shape[-2] if buf is not None else 0)
         while cap < slots:  # doubling: appends cost amortised O(1) copies per slot
             cap *= 2
-        grown = torch.empty(b, h, cap, d, dtype=like.dtype, device=like.device)
+        with torch.inference_mode(False):
+            grown = torch.empty(b, h, cap, d, dtype=like.dtype, device=like.device)
         if buf is not None and self.length and buf.shape[0] == b:
             grown[:, :, : self.length] = buf[:, :, : self.length]
         self.buf = grown
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def append(self, new: torch.Tensor) -> torch.Tensor:
         """Write `new` [B, H, T, D] after the slots in use; returns the view of all of them."""
         t = new.shape[-2]
@@ -57,7 +61,7 @@ class _Slots:
         self.length += t
         return self.buf[:, :, : self.length]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def keep(self, slots: torch.Tensor) -> None:
         """Keep `slots` (int64 [n], increasing) in order. The slots before the first gap stay where they are;
         only the rest are moved (a tree commit keeps the whole prefix plus a short accepted path)."""
