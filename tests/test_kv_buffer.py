@@ -42,7 +42,7 @@ def test_buffered_layer_tracks_a_dynamic_layer_through_every_operation():
             rest = torch.randperm(n - prefix, generator=g)[: max(1, (n - prefix) // 2)].sort().values + prefix
             slots = torch.cat([torch.arange(prefix), rest])
             ptr = ours.keys.data_ptr()
-            ours.keep(slots)
+            ours.select(slots)
             assert ours.keys.data_ptr() == ptr  # moved within its buffer
             ref.keys, ref.values = ref.keys.index_select(-2, slots), ref.values.index_select(-2, slots)
         elif op == 4:  # continuous batching: drop the leading slots every row has as padding

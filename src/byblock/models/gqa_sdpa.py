@@ -53,7 +53,7 @@ def gqa_sdpa_attention_forward(
         dropout_p=dropout,
         scale=scaling,
         is_causal=causal,
-        enable_gqa=groups > 1 and query.shape[1] != key.shape[1],
+        enable_gqa=query.shape[1] != key.shape[1],  # after a fold the heads match
     )
     out = out.reshape(out.shape[0], -1, t, value.shape[-1])  # undoes the fold; a no-op otherwise
     return out.transpose(1, 2).contiguous(), None

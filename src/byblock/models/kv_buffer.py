@@ -131,18 +131,15 @@ class BufferedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         return self._k.append(key_states), self._v.append(value_states)
 
-    def keep(self, slots: torch.Tensor) -> None:
-        """Keep only `slots` (int64 [n], increasing), in that order, moving as few slots as possible."""
+    def select(self, slots: torch.Tensor) -> None:
+        """Keep only `slots` (int64 [n], increasing), in that order, moving as few slots as possible (the
+        slot-selection protocol KVCache.crop/keep use for non-concatenating layers, as QuantizedLayer's)."""
         self._k.keep(slots)
         self._v.keep(slots)
 
     def get_seq_length(self) -> int:
         """Number of cached slots."""
         return self._k.length if self.is_initialized else 0
-
-    def nbytes_reserved(self) -> int:
-        """Bytes the buffers hold, used or not."""
-        return sum(s.buf.numel() * s.buf.element_size() for s in (self._k, self._v) if s.buf is not None)
 
 
 def buffered_cache():

@@ -108,7 +108,7 @@ class KVCache:
         for layer in self.hf.layers:
             if not layer.is_initialized:
                 continue
-            if hasattr(layer, "select"):  # quantized storage
+            if hasattr(layer, "select"):  # quantized or buffered storage: a crop is a prefix selection
                 layer.select(torch.arange(min(length, layer.get_seq_length())))
             else:
                 layer.keys = layer.keys[..., :length, :]
@@ -122,10 +122,8 @@ class KVCache:
         for layer in self.hf.layers:
             if not layer.is_initialized:
                 continue
-            if hasattr(layer, "select"):
+            if hasattr(layer, "select"):  # quantized or buffered storage
                 layer.select(slots)
-            elif isinstance(layer, BufferedLayer):
-                layer.keep(slots)
             else:
                 layer.keys = layer.keys.index_select(-2, slots)
                 layer.values = layer.values.index_select(-2, slots)

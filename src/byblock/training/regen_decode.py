@@ -129,9 +129,9 @@ class ContinuousDecoder:
         self.next_pos = torch.cat([self.next_pos, next_pos])
         self.logits = torch.cat([self.logits, logits])
 
-    def _choose(self) -> torch.Tensor:
-        """Each row's next token from its logits: argmax, or a Gumbel-max sample from the row's own stream."""
-        logp = torch.log_softmax(self.logits, dim=-1)  # [b, V]
+    def _choose(self, logp: torch.Tensor) -> torch.Tensor:
+        """Each row's next token from its log-probs [b, V]: argmax, or a Gumbel-max sample from the row's own
+        stream."""
         if self.s.temperature <= 0:
             return logp.argmax(-1)
         u = torch.stack([torch.rand(logp.shape[-1], generator=r.generator) for r in self.rows]).clamp_min(1e-20)
@@ -140,8 +140,9 @@ class ContinuousDecoder:
     @torch.inference_mode()
     def _step(self) -> list[_Row]:
         """Pick every row's token; drop finished rows; feed the rest one token. Returns the finished rows."""
-        nxt = self._choose()  # [b]
-        lp, li = torch.log_softmax(self.logits, dim=-1).topk(self.s.topk, dim=-1)  # [b, k]
+        logp = torch.log_softmax(self.logits, dim=-1)  # [b, V]
+        nxt = self._choose(logp)  # [b]
+        lp, li = logp.topk(self.s.topk, dim=-1)  # [b, k]
         keep: list[int] = []
         done: list[_Row] = []
         for r, row in enumerate(self.rows):
