@@ -7,7 +7,8 @@ DFlash checkpoint). Every stage resumes where a killed run stopped; run the same
 Raw code-completion data (the HumanEval shape) in a second pass: `--stage code-prompts` writes
 OUT/code_prompts.jsonl from the coding answers in OUT/regen (or OUT/<--regen-dir>); regenerate it with
 `--regen-dir regen-code`;
-train with `--extra-data OUT/regen-code`.
+train with `--extra-data OUT/regen-code`. `--stage source-prompts` writes OUT/source_prompts.jsonl: signature +
+docstring prompts cut from the Python source on this machine (stdlib and installed packages, or --source-dirs).
 Multi-process training: `torchrun --nproc_per_node=2 -m byblock.cli.main train dflash ... --stage train`.
 """
 
@@ -29,6 +30,7 @@ class Stage(Enum):
 
     REGENERATE = "regenerate"
     CODE_PROMPTS = "code-prompts"  # not part of "all": raw code prompts from OUT/<regen-dir> for a 2nd pass
+    SOURCE_PROMPTS = "source-prompts"  # not part of "all": raw code prompts from Python source on this machine
     TRAIN = "train"
     EXPORT = "export"
     ALL = "all"
@@ -66,6 +68,11 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--topk", type=int, default=8, help="target log-probs kept per position (distillation)")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy responses")
     g.add_argument("--limit", type=int, default=None, help="regenerate only this many prompts")
+    g.add_argument(
+        "--source-dirs",
+        default=None,
+        help="comma-separated source trees for --stage source-prompts (default: the stdlib and site-packages)",
+    )
     g.add_argument("--regen-dir", default="regen", help="subdirectory of --out the regenerate stage writes")
     g.add_argument(
         "--regen-dtype",
@@ -145,6 +152,18 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.target)
         derived = derive_from_regen(out / args.regen_dir, args.prompts, tokenizer)
         summary["code_prompts"] = {"path": str(write_jsonl(derived, out / "code_prompts.jsonl")), "n": len(derived)}
+    if stage is Stage.SOURCE_PROMPTS:
+        from byblock.training.code_prompts import write_jsonl
+        from byblock.training.source_prompts import collect, default_roots
+
+        roots = [Path(d) for d in args.source_dirs.split(",")] if args.source_dirs else default_roots()
+        missing = [str(r) for r in roots if not r.is_dir()]
+        if missing:
+            raise ByblockError(f"--source-dirs: not a directory: {', '.join(missing)}")
+        found = collect(roots, seed=args.seed)
+        if not found:
+            raise ByblockError(f"no documented public functions under {', '.join(map(str, roots))}")
+        summary["source_prompts"] = {"path": str(write_jsonl(found, out / "source_prompts.jsonl")), "n": len(found)}
     if stage in (Stage.TRAIN, Stage.EXPORT, Stage.ALL):
         from byblock.training.dflash_train import DFlashTrainer
 

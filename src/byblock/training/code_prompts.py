@@ -117,8 +117,8 @@ def _rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def write_jsonl(prompts: list[CodePrompt], path: str | Path) -> Path:
-    """Write the prompts as JSONL (atomically: a killed run leaves the old file or none)."""
+def write_jsonl(prompts: list, path: str | Path) -> Path:
+    """Write the prompts (anything with `.row()`) as JSONL (atomically: a killed run leaves the old file or none)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
