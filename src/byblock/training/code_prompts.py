@@ -32,15 +32,16 @@ PYTHON_TAGS = frozenset({"", "python", "py", "python3"})
 
 @dataclass(frozen=True)
 class CodePrompt:
-    """One derived raw prompt: `id` names the training prompt it came from."""
+    """One raw prompt: `id` names where it came from (a training prompt, or a source file and function)."""
 
     id: str
     prompt: str
     shape: str  # "docstring" or "prefix"
+    source: str = "code-derived"  # "python-source": cut from source files (source_prompts.py)
 
     def row(self) -> dict:
         """The JSONL row (`chat: false`: sent without the chat template, as HumanEval is)."""
-        return {"id": self.id, "source": "code-derived", "shape": self.shape, "prompt": self.prompt, "chat": False}
+        return {"id": self.id, "source": self.source, "shape": self.shape, "prompt": self.prompt, "chat": False}
 
 
 def docstring_prompt(instruction: str, code: str) -> str | None:
@@ -117,8 +118,8 @@ def _rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def write_jsonl(prompts: list, path: str | Path) -> Path:
-    """Write the prompts (anything with `.row()`) as JSONL (atomically: a killed run leaves the old file or none)."""
+def write_jsonl(prompts: list[CodePrompt], path: str | Path) -> Path:
+    """Write the prompts as JSONL (atomically: a killed run leaves the old file or none)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

