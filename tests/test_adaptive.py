@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lossless import greedy_outputs_match
-from tiny import make_dflash
+from lossless import SAMPLING_ALPHA, greedy_outputs_match, sampling_pvalue
+from tiny import make_dflash, make_target
 
 from byblock import SamplingParams
 from byblock.drafters import DrafterSpec
@@ -96,7 +96,7 @@ def test_chain_rests_when_no_depth_beats_a_plain_step(tiny_targets):
 @pytest.mark.parametrize("lookup", [False, True], ids=["tree", "hybrid"])
 def test_tree_rests_when_no_tree_beats_not_drafting(tiny_targets, lookup):
     """Each extra verify row costs 3 plain steps: after its first (exploring) round the tree skips the drafter
-    until the 8th round. The hybrid never rests (its model part is chosen per round; the lookup chain is free)."""
+    until the 8th round. The hybrid decides from realised rounds (observe), so without any it keeps drafting."""
     target = tiny_targets["llama"]
     d = AdaptiveDrafter(
         DFlashDrafter(make_dflash(target, block=8), target),
@@ -119,6 +119,71 @@ def test_tree_rests_when_no_tree_beats_not_drafting(tiny_targets, lookup):
         assert all(x.num_nodes == 0 for x in drafts[1:8]) and drafts[0].num_nodes > 0
 
 
+def _hybrid_on_repeat(target):
+    """An adaptive hybrid whose lookup proposes "9, 40" for the context below, costs in units where the tiny
+    drafter's wall time is negligible, and a backbone that ignores verdicts."""
+    d = AdaptiveDrafter(
+        DFlashDrafter(make_dflash(target, block=8), target),
+        target,
+        tree=True,
+        max_budget=12,
+        cost=CostModel({1: 100.0, 64: 200.0}),
+        lookup=NgramDrafter(NgramConfig(block_size=5)),
+    )
+    calls = []
+    draft_logits = d.dflash.draft_logits
+    d.dflash.draft_logits = lambda *a: calls.append(a[2]) or draft_logits(*a)
+    prompt = [5, 17, 33, 9, 40, 5, 17]
+    hidden = target.forward(torch.tensor([prompt]), target.new_cache(), hidden_layers=d.hidden_layers).hidden
+    d.start(prompt, hidden, SamplingParams(), None)
+    d.dflash.observe = lambda verdict, hidden: None
+    return d, calls, [*prompt, 33]
+
+
+def test_hybrid_rests_its_model_while_it_adds_nothing_and_resumes_when_it_pays(tiny_targets):
+    """Rounds where the target accepts the lookup chain and nothing of the model's nodes: after 3 drafted rounds
+    of that evidence the model rests (the lookup chain alone is verified) until the 8th round's probe. Probes
+    where the model adds 6 tokens each bring the drafter back within two probes."""
+    d, calls, tokens = _hybrid_on_repeat(tiny_targets["llama"])
+    lookup_only = Verdict(path=[0, 1], tokens=[9, 40, 3])
+    drafts = []
+    for _ in range(8):
+        drafts.append(d.propose(tokens, 7))
+        d.observe(lookup_only, None)
+    assert len(calls) == 3 and d.rests == 5  # rounds 0-2 drafted, 3-7 rested
+    assert all(x.is_chain and x.tokens[:2].tolist() == [9, 40] for x in drafts[3:])  # the lookup chain, cut
+    model_pays = Verdict(path=list(range(8)), tokens=list(range(9)))  # 2 lookup + 6 model tokens accepted
+    rounds_to_resume = None
+    for r in range(8, 25):
+        before = len(calls)
+        d.propose(tokens, 7)
+        d.observe(model_pays if len(calls) > before else lookup_only, None)
+        if r % 8 and len(calls) > before:  # a drafted round that was not a probe
+            rounds_to_resume = r
+            break
+    assert rounds_to_resume is not None and rounds_to_resume <= 17
+
+
+def test_hybrid_keeps_drafting_while_its_model_pays(tiny_targets):
+    d, calls, tokens = _hybrid_on_repeat(tiny_targets["llama"])
+    for _ in range(12):
+        d.propose(tokens, 7)
+        d.observe(Verdict(path=list(range(6)), tokens=list(range(7))), None)  # the model adds 4 tokens a round
+    assert len(calls) == 12 and d.rests == 0
+
+
+def test_resting_hybrid_cuts_the_lookup_chain_to_its_profitable_length(tiny_targets):
+    """Lookup acceptance β ≈ 0 and a verify row costing a plain step: a resting round is a plain step."""
+    d, calls, tokens = _hybrid_on_repeat(tiny_targets["llama"])
+    d.cost = CostModel({1: 100.0, 2: 200.0, 64: 6400.0})
+    d.look_accepted.fill_(1.0)
+    d.look_reached.fill_(100.0)
+    d.rounds = 1
+    d.hybrid_model_pays = lambda: False
+    draft = d.propose(tokens, 7)
+    assert draft.num_nodes == 0 and not calls and d.rests == 1
+
+
 @pytest.mark.parametrize("kind", ["chain", "tree", "hybrid", "resting chain", "resting tree", "resting hybrid"])
 def test_adaptive_is_lossless(tiny_target, kind):
     lookup = NgramDrafter(NgramConfig(block_size=5)) if "hybrid" in kind else None
@@ -131,8 +196,28 @@ def test_adaptive_is_lossless(tiny_target, kind):
         cost=steep if kind.startswith("resting") else CostModel({1: 1.0, 4: 1.2, 16: 2.0}),
         lookup=lookup,
     )
+    if kind == "resting hybrid":  # the model part rests except on probes; lookup chains cut by the rule
+        drafter.hybrid_model_pays = lambda: False
     for prompt in ([5, 17, 33, 9], [7, 7, 7, 7, 7, 7, 12, 40], [5, 17, 33, 9, 40, 41, 5, 17, 33]):
         greedy_outputs_match(tiny_target, prompt, SamplingParams(max_new_tokens=40), drafter)
+
+
+def test_adaptive_hybrid_sampling_matches_target_distribution():
+    """Temperature 1: the hybrid's merged trees and its resting rounds (the lookup chain alone, cut by the rule;
+    the tiny drafter rarely pays, so both kinds occur) leave the law of the first 4 tokens unchanged."""
+    target = make_target("llama")
+    params = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=4)
+    prompt = [5, 17, 33, 9, 5, 17]
+    drafter = AdaptiveDrafter(
+        DFlashDrafter(make_dflash(target, block=4), target),
+        target,
+        tree=True,
+        max_budget=8,
+        cost=CostModel({1: 1.0, 4: 1.2, 16: 2.0}),
+        lookup=NgramDrafter(NgramConfig(block_size=3)),
+    )
+    assert sampling_pvalue(target, drafter, prompt, params) > SAMPLING_ALPHA
+    assert drafter.rests > 300 and drafter.drafted > 300
 
 
 def test_adaptive_hybrid_learns_lookup_acceptance(tiny_targets):

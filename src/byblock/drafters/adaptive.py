@@ -17,8 +17,15 @@ The rule (measured costs, running acceptance):
               1 / cost(1), the round skips the drafter and is one plain decoding step
               (tree) when the last drafted round's best tree was slower than a plain step, likewise. A tree's
               E(N) needs this round's drafter output, so a tree decides from the last drafted round, a chain
-              from the running counts. The hybrid does not rest: measured, resting its model part after one
-              unprofitable round cost more than it saved on HumanEval (dev/LOG.md, session 11).
+              from the running counts.
+              (hybrid) when the model part's realised marginal rate is below the lookup part's,
+                  Σ (a − a_look) / Σ (draft + cost(size+1) − cost(L+1))  <  Σ (1 + a_look) / Σ cost(L+1),
+              the round skips the drafter and verifies the lookup chain alone, cut to its best length by the
+              chain rule on β (possibly 0: a plain step). The sums are realised, not predicted, and forget
+              at MODEL_FORGET per drafted round: resting after one unprofitable round, as a first version
+              did, parked the model right before the rounds where it paid and lost on HumanEval
+              (dev/LOG.md, session 11); at temperature 1 the never-resting hybrid ran at 0.7x of plain
+              sampling (session 16).
 
 Every 8th chain round verifies the whole block, so acceptance at depths the rule stopped using stays measured;
 while resting, that round drafts only the best depth (on a CPU where a deep verify costs three plain steps, a
@@ -53,6 +60,10 @@ from byblock.verify.types import Draft, Verdict
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64, 65)
 EXPLORE_EVERY = 8
 FORGET = 0.95  # per round, the weight of older acceptance evidence (memory ~20 rounds: a turn is 50-100)
+# hybrid: per drafted round, the weight of older evidence on what the model part realised. Faster than FORGET
+# because while resting only every EXPLORE_EVERY-th round is drafted: ~3 good probes end a rest.
+MODEL_FORGET = 0.7
+MODEL_EVIDENCE = 2.0  # hybrid: rest only after this much (forgetting-weighted) drafted-round evidence
 
 
 def measure_verify_cost(target: TargetModel, sizes=COST_SIZES, context: int = 128, repeats: int = 3) -> dict:
@@ -128,6 +139,12 @@ class AdaptiveDrafter:
         self._predicted = 0.0
         self._depth = 0
         self._model_pays = True  # tree: the last drafted round's best tree beat a plain step
+        # hybrid, forgetting sums: tokens and seconds the model part added / the lookup part gave, realised
+        self.model_tok, self.model_s, self.model_w = 0.0, 0.0, 0.0
+        self.look_tok, self.look_s = 0.0, 0.0
+        self._round_draft_s = 0.0  # this round's drafter seconds (0 when it rested)
+        self._size = 0  # hybrid: nodes in this round's merged tree
+        self.rests = 0  # rounds that skipped the drafter
 
     def start(self, prompt_ids, target_hidden, params: SamplingParams, generator) -> None:
         """Reset per-request drafter state; acceptance statistics carry over (same model, same machine)."""
@@ -150,22 +167,46 @@ class AdaptiveDrafter:
             if not pays and not explore:
                 self.rounds += 1
                 self.last_choice = self._depth = 0  # rest: one plain step; the backbone's context keeps queueing
+                self.rests += 1
                 return Draft.empty()
             chain_depth = depth if explore and pays else d_best
             draft = self._chain(self.dflash.draft_logits(tokens[-1], len(tokens) - 1, chain_depth), chain_depth)
         elif self.lookup is None and not self._model_pays and not explore:  # rest: one plain step, no drafter
             self.rounds += 1
             self._predicted, self.last_choice = 0.0, 0
+            self.rests += 1
             return Draft.empty()
         elif self.lookup is not None:
+            look = self.lookup.propose(tokens, depth)
+            if not explore and not self.hybrid_model_pays():
+                return self._rest_hybrid(look)
             logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
-            draft = self._hybrid(self.lookup.propose(tokens, depth), logits, draft_s)
+            draft = self._hybrid(look, logits, draft_s)
         else:
             draft = self._tree(self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth), draft_s)
-        self.draft_s += time.perf_counter() - t0
+        self._round_draft_s = time.perf_counter() - t0
+        self.draft_s += self._round_draft_s
         self.drafted += 1
         self.rounds += 1
         return draft
+
+    def hybrid_model_pays(self) -> bool:
+        """Hybrid: whether the model part's realised tokens per second beat the lookup part's (see the module doc)."""
+        if self.model_w < MODEL_EVIDENCE or self.look_s <= 0.0:
+            return True  # too little evidence: keep drafting
+        return self.model_tok * self.look_s >= self.look_tok * max(self.model_s, 1e-9)
+
+    def _rest_hybrid(self, look: Draft) -> Draft:
+        """A round without the drafter: the lookup chain alone, cut to its most profitable length."""
+        beta = (self.look_accepted / self.look_reached)[: look.num_nodes].cumprod(0)  # [L]
+        expected = torch.cat([torch.ones(1), 1 + beta.cumsum(0)])  # E(l) for l = 0..L
+        rate = [float(expected[n]) / self.cost(n + 1) for n in range(look.num_nodes + 1)]
+        keep = max(range(len(rate)), key=rate.__getitem__)
+        self.rounds += 1
+        self.rests += 1
+        self._round_draft_s, self._predicted = 0.0, 0.0
+        self._look_len = self.last_choice = keep
+        return Draft.chain(look.tokens[:keep])
 
     def _best_depth(self, depth: int, draft_s: float) -> tuple[int, bool]:
         """The chain depth d ≥ 1 with the highest expected tokens per second, and whether it beats a plain step."""
@@ -215,6 +256,7 @@ class AdaptiveDrafter:
         self.last_choice = int(size[n_best])
         self._predicted = float((path_p * new)[:n_best].sum())
         self._look_len = length
+        self._size = int(size[n_best])
         model = Draft(tokens=toks[:n_best], parents=torch.tensor(parents[:n_best], dtype=torch.long))
         return merge_trees(look, model, budget=length + n_best)
 
@@ -225,6 +267,17 @@ class AdaptiveDrafter:
             seen.sub_(2).mul_(FORGET).add_(2)
         self.rho_num = 1 + FORGET * (self.rho_num - 1)
         self.rho_den = 1 + FORGET * (self.rho_den - 1)
+
+    def _observe_hybrid_rates(self, accepted: int, a_look: int) -> None:
+        """Add this round's realised tokens and seconds to the lookup part's and (if drafted) the model part's sums."""
+        look_cost = self.cost(self._look_len + 1)
+        self.look_tok = FORGET * self.look_tok + 1 + a_look
+        self.look_s = FORGET * self.look_s + look_cost
+        if self._round_draft_s > 0.0:  # the drafter ran: the nodes past the lookup path are the model's
+            extra_s = self._round_draft_s + max(0.0, self.cost(self._size + 1) - look_cost)
+            self.model_tok = MODEL_FORGET * self.model_tok + (accepted - a_look)
+            self.model_s = MODEL_FORGET * self.model_s + extra_s
+            self.model_w = MODEL_FORGET * self.model_w + 1
 
     @staticmethod
     def _path_probs(logp: torch.Tensor, ids: list[int], parents: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -250,6 +303,8 @@ class AdaptiveDrafter:
                 self.look_accepted[:a_look] += 1
             self.rho_num += a - a_look
             self.rho_den += self._predicted
+            if self.lookup is not None:
+                self._observe_hybrid_rates(a, a_look)
         else:
             reached = min(a + 1, self._depth)  # depths 1..a accepted; depth a+1 tried and rejected (if drafted)
             self.reached[:reached] += 1
