@@ -25,7 +25,10 @@ The rule (measured costs, running acceptance):
               at MODEL_FORGET per drafted round: resting after one unprofitable round, as a first version
               did, parked the model right before the rounds where it paid and lost on HumanEval
               (dev/LOG.md, session 11); at temperature 1 the never-resting hybrid ran at 0.7x of plain
-              sampling (session 16).
+              sampling (session 16). A resting hybrid probes (drafts) after 7 resting rounds, then after
+              twice as many each time the probe leaves the model unprofitable, up to MAX_PROBE_GAP: a probe
+              costs a drafter forward and a tree verify; with one every 8th round the resting hybrid's round
+              cost at temperature 1 was 1.32 plain steps against lookup's 1.17 at the same τ (session 17).
 
 Every 8th chain round verifies the whole block, so acceptance at depths the rule stopped using stays measured;
 while resting, that round drafts only the best depth (on a CPU where a deep verify costs three plain steps, a
@@ -61,9 +64,10 @@ COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64, 65)
 EXPLORE_EVERY = 8
 FORGET = 0.95  # per round, the weight of older acceptance evidence (memory ~20 rounds: a turn is 50-100)
 # hybrid: per drafted round, the weight of older evidence on what the model part realised. Faster than FORGET
-# because while resting only every EXPLORE_EVERY-th round is drafted: ~3 good probes end a rest.
+# because while resting only probes are drafted: one or two good probes end a rest.
 MODEL_FORGET = 0.7
 MODEL_EVIDENCE = 2.0  # hybrid: rest only after this much (forgetting-weighted) drafted-round evidence
+MAX_PROBE_GAP = 63  # hybrid: at most this many resting rounds between two probes
 
 
 def measure_verify_cost(target: TargetModel, sizes=COST_SIZES, context: int = 128, repeats: int = 3) -> dict:
@@ -145,6 +149,8 @@ class AdaptiveDrafter:
         self._round_draft_s = 0.0  # this round's drafter seconds (0 when it rested)
         self._size = 0  # hybrid: nodes in this round's merged tree
         self.rests = 0  # rounds that skipped the drafter
+        self._probe_gap = EXPLORE_EVERY - 1  # hybrid: resting rounds before the next probe
+        self._resting_for = 0  # hybrid: resting rounds since the last drafted round
 
     def start(self, prompt_ids, target_hidden, params: SamplingParams, generator) -> None:
         """Reset per-request drafter state; acceptance statistics carry over (same model, same machine)."""
@@ -178,8 +184,13 @@ class AdaptiveDrafter:
             return Draft.empty()
         elif self.lookup is not None:
             look = self.lookup.propose(tokens, depth)
-            if not explore and not self.hybrid_model_pays():
+            if self.hybrid_model_pays():
+                self._probe_gap = EXPLORE_EVERY - 1
+            elif self._resting_for < self._probe_gap:
                 return self._rest_hybrid(look)
+            else:  # a probe; if the model still does not pay after it, wait twice as long for the next
+                self._probe_gap = min(2 * self._probe_gap + 1, MAX_PROBE_GAP)
+            self._resting_for = 0
             logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
             draft = self._hybrid(look, logits, draft_s)
         else:
@@ -204,6 +215,7 @@ class AdaptiveDrafter:
         keep = max(range(len(rate)), key=rate.__getitem__)
         self.rounds += 1
         self.rests += 1
+        self._resting_for += 1
         self._round_draft_s, self._predicted = 0.0, 0.0
         self._look_len = self.last_choice = keep
         return Draft.chain(look.tokens[:keep])
