@@ -36,7 +36,7 @@ def test_chain_depth_follows_acceptance_and_cost(tiny_targets):
     steep = CostModel({1: 1.0, 2: 2.0, 64: 64.0})  # every token costs a full step: never draft
     for cost, want in ((flat, 7), (steep, 0)):
         d = _adaptive(target, cost)
-        d.rounds = 1  # skip the exploration round
+        d.rounds, d._resting_for = 1, 0  # not the first round: neither a whole-block exploration nor a probe
         d.start(
             [5, 17, 33, 9],
             target.forward(torch.tensor([[5, 17, 33, 9]]), target.new_cache(), hidden_layers=d.hidden_layers).hidden,
@@ -78,8 +78,8 @@ def test_acceptance_statistics_forget_old_turns():
 
 
 def test_chain_rests_when_no_depth_beats_a_plain_step(tiny_targets):
-    """Verifying costs 3 plain steps per extra token: the rule skips the drafter (plain steps) except every
-    8th round, which drafts only the best depth, not the whole block."""
+    """Verifying costs 3 plain steps per extra token: the rule skips the drafter (plain steps) except on probes
+    (the first round, then after 15 resting rounds), which draft only the best depth, not the whole block."""
     target = tiny_targets["llama"]
     d = _adaptive(target, CostModel({1: 1.0, 2: 4.0, 64: 190.0}))
     calls = []
@@ -95,8 +95,8 @@ def test_chain_rests_when_no_depth_beats_a_plain_step(tiny_targets):
 
 @pytest.mark.parametrize("lookup", [False, True], ids=["tree", "hybrid"])
 def test_tree_rests_when_no_tree_beats_not_drafting(tiny_targets, lookup):
-    """Each extra verify row costs 3 plain steps: after its first (exploring) round the tree skips the drafter
-    until the 8th round. The hybrid decides from realised rounds (observe), so without any it keeps drafting."""
+    """Each extra verify row costs 3 plain steps: after its first round the tree skips the drafter for 7 rounds,
+    then probes. The hybrid decides from realised rounds (observe), so without any it keeps drafting."""
     target = tiny_targets["llama"]
     d = AdaptiveDrafter(
         DFlashDrafter(make_dflash(target, block=8), target),
@@ -190,7 +190,7 @@ def test_resting_hybrid_cuts_the_lookup_chain_to_its_profitable_length(tiny_targ
     d.cost = CostModel({1: 100.0, 2: 200.0, 64: 6400.0})
     d.look_accepted.fill_(1.0)
     d.look_reached.fill_(100.0)
-    d.rounds = 1
+    d._resting_for = 0  # not the first round (which would probe)
     d.hybrid_model_pays = lambda: False
     draft = d.propose(tokens, 7)
     assert draft.num_nodes == 0 and not calls and d.rests == 1

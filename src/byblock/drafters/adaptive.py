@@ -25,15 +25,16 @@ The rule (measured costs, running acceptance):
               at MODEL_FORGET per drafted round: resting after one unprofitable round, as a first version
               did, parked the model right before the rounds where it paid and lost on HumanEval
               (dev/LOG.md, session 11); at temperature 1 the never-resting hybrid ran at 0.7x of plain
-              sampling (session 16). A resting hybrid probes (drafts) after 7 resting rounds, then after
-              twice as many each time the probe leaves the model unprofitable, up to MAX_PROBE_GAP: a probe
-              costs a drafter forward and a tree verify; with one every 8th round the resting hybrid's round
-              cost at temperature 1 was 1.32 plain steps against lookup's 1.17 at the same τ (session 17).
+              sampling (session 16).
+    probe     a resting drafter drafts (probes) after 7 resting rounds, then after twice as many each time
+              it is still unprofitable, up to MAX_PROBE_GAP: a probe costs a drafter forward and a verify, and
+              with one every 8th round the resting hybrid's round cost at temperature 1 was 1.32 plain steps
+              against lookup's 1.17 at the same τ (session 17). A chain's probe drafts only its best depth
+              (on a CPU where a deep verify costs three plain steps, a whole-block probe would cost more than
+              resting saves); a tree's re-decides whether its trees pay.
 
-Every 8th chain round verifies the whole block, so acceptance at depths the rule stopped using stays measured;
-while resting, that round drafts only the best depth (on a CPU where a deep verify costs three plain steps, a
-whole-block probe every 8th round would cost more than resting saves). A resting tree drafts every 8th round,
-which re-decides whether its trees pay.
+Every 8th round of a chain that pays verifies the whole block, so acceptance at depths the rule stopped using
+stays measured.
 The counts behind α, β and ρ forget (weight FORGET per round, towards their prior): acceptance swings between
 turns (a repetitive answer accepts whole blocks, the next one does not), and a rule that pooled all history
 kept drafting deep after such a turn (dev/LOG.md, session 9).
@@ -149,8 +150,8 @@ class AdaptiveDrafter:
         self._round_draft_s = 0.0  # this round's drafter seconds (0 when it rested)
         self._size = 0  # hybrid: nodes in this round's merged tree
         self.rests = 0  # rounds that skipped the drafter
-        self._probe_gap = EXPLORE_EVERY - 1  # hybrid: resting rounds before the next probe
-        self._resting_for = 0  # hybrid: resting rounds since the last drafted round
+        self._probe_gap = EXPLORE_EVERY - 1  # resting rounds before the next probe
+        self._resting_for = EXPLORE_EVERY - 1  # resting rounds since the last drafted one (the first round drafts)
 
     def start(self, prompt_ids, target_hidden, params: SamplingParams, generator) -> None:
         """Reset per-request drafter state; acceptance statistics carry over (same model, same machine)."""
@@ -167,39 +168,44 @@ class AdaptiveDrafter:
         t0 = time.perf_counter()
         depth = min(self.block_size, max_depth)
         draft_s = self.draft_s / self.drafted if self.drafted else 0.0
-        explore = self.rounds % EXPLORE_EVERY == 0
         if not self.tree:
             d_best, pays = self._best_depth(depth, draft_s)
-            if not pays and not explore:
-                self.rounds += 1
-                self.last_choice = self._depth = 0  # rest: one plain step; the backbone's context keeps queueing
-                self.rests += 1
+            if self._rests_now(pays):
+                self.last_choice = self._depth = 0  # one plain step; the backbone's context keeps queueing
                 return Draft.empty()
-            chain_depth = depth if explore and pays else d_best
+            explore = pays and self.rounds % EXPLORE_EVERY == 0
+            chain_depth = depth if explore else d_best
             draft = self._chain(self.dflash.draft_logits(tokens[-1], len(tokens) - 1, chain_depth), chain_depth)
-        elif self.lookup is None and not self._model_pays and not explore:  # rest: one plain step, no drafter
-            self.rounds += 1
-            self._predicted, self.last_choice = 0.0, 0
-            self.rests += 1
-            return Draft.empty()
-        elif self.lookup is not None:
+        elif self.lookup is None:
+            if self._rests_now(self._model_pays):
+                self._predicted, self.last_choice = 0.0, 0  # one plain step
+                return Draft.empty()
+            draft = self._tree(self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth), draft_s)
+        else:
             look = self.lookup.propose(tokens, depth)
-            if self.hybrid_model_pays():
-                self._probe_gap = EXPLORE_EVERY - 1
-            elif self._resting_for < self._probe_gap:
+            if self._rests_now(self.hybrid_model_pays()):
                 return self._rest_hybrid(look)
-            else:  # a probe; if the model still does not pay after it, wait twice as long for the next
-                self._probe_gap = min(2 * self._probe_gap + 1, MAX_PROBE_GAP)
-            self._resting_for = 0
             logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
             draft = self._hybrid(look, logits, draft_s)
-        else:
-            draft = self._tree(self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth), draft_s)
         self._round_draft_s = time.perf_counter() - t0
         self.draft_s += self._round_draft_s
         self.drafted += 1
         self.rounds += 1
         return draft
+
+    def _rests_now(self, pays: bool) -> bool:
+        """Whether this round skips the drafter: not while drafting pays, and not on a probe (see the module doc)."""
+        if pays:
+            self._probe_gap, self._resting_for = EXPLORE_EVERY - 1, 0
+            return False
+        if self._resting_for < self._probe_gap:
+            self._resting_for += 1
+            self.rests += 1
+            self.rounds += 1
+            return True
+        self._probe_gap = min(2 * self._probe_gap + 1, MAX_PROBE_GAP)  # for the next probe, if this one fails
+        self._resting_for = 0
+        return False
 
     def hybrid_model_pays(self) -> bool:
         """Hybrid: whether the model part's realised tokens per second beat the lookup part's (see the module doc)."""
@@ -213,9 +219,6 @@ class AdaptiveDrafter:
         expected = torch.cat([torch.ones(1), 1 + beta.cumsum(0)])  # E(l) for l = 0..L
         rate = [float(expected[n]) / self.cost(n + 1) for n in range(look.num_nodes + 1)]
         keep = max(range(len(rate)), key=rate.__getitem__)
-        self.rounds += 1
-        self.rests += 1
-        self._resting_for += 1
         self._round_draft_s, self._predicted = 0.0, 0.0
         self._look_len = self.last_choice = keep
         return Draft.chain(look.tokens[:keep])
