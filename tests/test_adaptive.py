@@ -36,7 +36,7 @@ def test_chain_depth_follows_acceptance_and_cost(tiny_targets):
     steep = CostModel({1: 1.0, 2: 2.0, 64: 64.0})  # every token costs a full step: never draft
     for cost, want in ((flat, 7), (steep, 0)):
         d = _adaptive(target, cost)
-        d.rounds, d._resting_for = 1, 0  # not the first round: neither a whole-block exploration nor a probe
+        d.rounds, d._resting_for = 1, [0, 0]  # not the first round: neither a whole-block exploration nor a probe
         d.start(
             [5, 17, 33, 9],
             target.forward(torch.tensor([[5, 17, 33, 9]]), target.new_cache(), hidden_layers=d.hidden_layers).hidden,
@@ -184,14 +184,31 @@ def test_hybrid_keeps_drafting_while_its_model_pays(tiny_targets):
     assert len(calls) == 12 and d.rests == 0
 
 
+def test_hybrid_rest_with_a_lookup_chain_does_not_park_the_model_without_one(tiny_targets):
+    """The model adds nothing to matched lookup chains, so it rests there; where the lookup finds no match the
+    alternative is a plain step, a separate regime with its own evidence: the model still drafts."""
+    d, calls, tokens = _hybrid_on_repeat(tiny_targets["llama"])
+    for _ in range(4):
+        d.propose(tokens, 7)
+        d.observe(Verdict(path=[0, 1], tokens=[9, 40, 3]), None)
+    assert len(calls) == 3 and d.rests == 1 and not d.hybrid_model_pays(1)
+    no_match = [*tokens[:-1], 99]  # "17, 99" never occurred: the lookup proposes nothing
+    for _ in range(4):
+        before = len(calls)
+        draft = d.propose(no_match, 7)
+        assert len(calls) == before + 1 and draft.num_nodes > 0
+        d.observe(Verdict(path=[0], tokens=[3, 4]), None)  # the model's first node accepted
+    assert d.hybrid_model_pays(0) and d.rests == 1
+
+
 def test_resting_hybrid_cuts_the_lookup_chain_to_its_profitable_length(tiny_targets):
     """Lookup acceptance β ≈ 0 and a verify row costing a plain step: a resting round is a plain step."""
     d, calls, tokens = _hybrid_on_repeat(tiny_targets["llama"])
     d.cost = CostModel({1: 100.0, 2: 200.0, 64: 6400.0})
     d.look_accepted.fill_(1.0)
     d.look_reached.fill_(100.0)
-    d._resting_for = 0  # not the first round (which would probe)
-    d.hybrid_model_pays = lambda: False
+    d._resting_for = [0, 0]  # not the first round (which would probe)
+    d.hybrid_model_pays = lambda regime: False
     draft = d.propose(tokens, 7)
     assert draft.num_nodes == 0 and not calls and d.rests == 1
 
@@ -209,7 +226,7 @@ def test_adaptive_is_lossless(tiny_target, kind):
         lookup=lookup,
     )
     if kind == "resting hybrid":  # the model part rests except on probes; lookup chains cut by the rule
-        drafter.hybrid_model_pays = lambda: False
+        drafter.hybrid_model_pays = lambda regime: False
     for prompt in ([5, 17, 33, 9], [7, 7, 7, 7, 7, 7, 12, 40], [5, 17, 33, 9, 40, 41, 5, 17, 33]):
         greedy_outputs_match(tiny_target, prompt, SamplingParams(max_new_tokens=40), drafter)
 

@@ -18,10 +18,14 @@ The rule (measured costs, running acceptance):
               (tree) when the last drafted round's best tree was slower than a plain step, likewise. A tree's
               E(N) needs this round's drafter output, so a tree decides from the last drafted round, a chain
               from the running counts.
-              (hybrid) when the model part's realised marginal rate is below the lookup part's,
+              (hybrid) when the model part's realised marginal rate is below what the round gives without it,
                   Σ (a − a_look) / Σ (draft + cost(size+1) − cost(L+1))  <  Σ (1 + a_look) / Σ cost(L+1),
               the round skips the drafter and verifies the lookup chain alone, cut to its best length by the
-              chain rule on β (possibly 0: a plain step). The sums are realised, not predicted, and forget
+              chain rule on β (possibly 0: a plain step). Rounds where the lookup proposes nothing and rounds
+              where it proposes a chain keep separate sums and probe schedules: without a chain the model
+              competes with a plain step (right side 1 / cost(1)), which it beats far more often than it beats
+              a matched lookup chain; pooled, HumanEval's long lookup matches rested the model in the rounds
+              where it was the only drafter (session 17). The sums are realised, not predicted, and forget
               at MODEL_FORGET per drafted round: resting after one unprofitable round, as a first version
               did, parked the model right before the rounds where it paid and lost on HumanEval
               (dev/LOG.md, session 11); at temperature 1 the never-resting hybrid ran at 0.7x of plain
@@ -144,14 +148,18 @@ class AdaptiveDrafter:
         self._predicted = 0.0
         self._depth = 0
         self._model_pays = True  # tree: the last drafted round's best tree beat a plain step
-        # hybrid, forgetting sums: tokens and seconds the model part added / the lookup part gave, realised
-        self.model_tok, self.model_s, self.model_w = 0.0, 0.0, 0.0
+        # hybrid, realised forgetting sums: tokens and seconds the model part added, per regime (index 0: the
+        # lookup proposed nothing, 1: it proposed a chain), and what the lookup part gave in regime 1
+        self.model_tok, self.model_s, self.model_w = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
         self.look_tok, self.look_s = 0.0, 0.0
+        self._regime = 0
         self._round_draft_s = 0.0  # this round's drafter seconds (0 when it rested)
         self._size = 0  # hybrid: nodes in this round's merged tree
         self.rests = 0  # rounds that skipped the drafter
-        self._probe_gap = EXPLORE_EVERY - 1  # resting rounds before the next probe
-        self._resting_for = EXPLORE_EVERY - 1  # resting rounds since the last drafted one (the first round drafts)
+        # per regime (chain and tree: only regime 0): resting rounds before the next probe, and since the last
+        # drafted round (starting at the gap: the first unprofitable round probes)
+        self._probe_gap = [EXPLORE_EVERY - 1, EXPLORE_EVERY - 1]
+        self._resting_for = [EXPLORE_EVERY - 1, EXPLORE_EVERY - 1]
 
     def start(self, prompt_ids, target_hidden, params: SamplingParams, generator) -> None:
         """Reset per-request drafter state; acceptance statistics carry over (same model, same machine)."""
@@ -183,7 +191,8 @@ class AdaptiveDrafter:
             draft = self._tree(self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth), draft_s)
         else:
             look = self.lookup.propose(tokens, depth)
-            if self._rests_now(self.hybrid_model_pays()):
+            self._regime = int(look.num_nodes > 0)
+            if self._rests_now(self.hybrid_model_pays(self._regime), self._regime):
                 return self._rest_hybrid(look)
             logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
             draft = self._hybrid(look, logits, draft_s)
@@ -193,25 +202,27 @@ class AdaptiveDrafter:
         self.rounds += 1
         return draft
 
-    def _rests_now(self, pays: bool) -> bool:
+    def _rests_now(self, pays: bool, regime: int = 0) -> bool:
         """Whether this round skips the drafter: not while drafting pays, and not on a probe (see the module doc)."""
         if pays:
-            self._probe_gap, self._resting_for = EXPLORE_EVERY - 1, 0
+            self._probe_gap[regime], self._resting_for[regime] = EXPLORE_EVERY - 1, 0
             return False
-        if self._resting_for < self._probe_gap:
-            self._resting_for += 1
+        if self._resting_for[regime] < self._probe_gap[regime]:
+            self._resting_for[regime] += 1
             self.rests += 1
             self.rounds += 1
             return True
-        self._probe_gap = min(2 * self._probe_gap + 1, MAX_PROBE_GAP)  # for the next probe, if this one fails
-        self._resting_for = 0
+        self._probe_gap[regime] = min(2 * self._probe_gap[regime] + 1, MAX_PROBE_GAP)  # if this probe fails too
+        self._resting_for[regime] = 0
         return False
 
-    def hybrid_model_pays(self) -> bool:
-        """Hybrid: whether the model part's realised tokens per second beat the lookup part's (see the module doc)."""
-        if self.model_w < MODEL_EVIDENCE or self.look_s <= 0.0:
+    def hybrid_model_pays(self, regime: int) -> bool:
+        """Hybrid: whether the model part's realised tokens per second beat the round without it (module doc);
+        regime 0: the lookup proposed nothing (the alternative is a plain step), 1: it proposed a chain."""
+        if self.model_w[regime] < MODEL_EVIDENCE:
             return True  # too little evidence: keep drafting
-        return self.model_tok * self.look_s >= self.look_tok * max(self.model_s, 1e-9)
+        base_tok, base_s = (1.0, self.cost(1)) if regime == 0 else (self.look_tok, self.look_s)
+        return self.model_tok[regime] * base_s >= base_tok * max(self.model_s[regime], 1e-9)
 
     def _rest_hybrid(self, look: Draft) -> Draft:
         """A round without the drafter: the lookup chain alone, cut to its most profitable length."""
@@ -285,14 +296,16 @@ class AdaptiveDrafter:
 
     def _observe_hybrid_rates(self, accepted: int, a_look: int) -> None:
         """Add this round's realised tokens and seconds to the lookup part's and (if drafted) the model part's sums."""
+        r = self._regime
         look_cost = self.cost(self._look_len + 1)
-        self.look_tok = FORGET * self.look_tok + 1 + a_look
-        self.look_s = FORGET * self.look_s + look_cost
+        if r == 1:
+            self.look_tok = FORGET * self.look_tok + 1 + a_look
+            self.look_s = FORGET * self.look_s + look_cost
         if self._round_draft_s > 0.0:  # the drafter ran: the nodes past the lookup path are the model's
             extra_s = self._round_draft_s + max(0.0, self.cost(self._size + 1) - look_cost)
-            self.model_tok = MODEL_FORGET * self.model_tok + (accepted - a_look)
-            self.model_s = MODEL_FORGET * self.model_s + extra_s
-            self.model_w = MODEL_FORGET * self.model_w + 1
+            self.model_tok[r] = MODEL_FORGET * self.model_tok[r] + (accepted - a_look)
+            self.model_s[r] = MODEL_FORGET * self.model_s[r] + extra_s
+            self.model_w[r] = MODEL_FORGET * self.model_w[r] + 1
 
     @staticmethod
     def _path_probs(logp: torch.Tensor, ids: list[int], parents: list[int]) -> tuple[torch.Tensor, list[int]]:
