@@ -93,17 +93,15 @@ def test_chain_rests_when_no_depth_beats_a_plain_step(tiny_targets):
     assert all(x.num_nodes == 0 for x in drafts[1:]) and d.last_choice == 0 and d.drafted == 1
 
 
-@pytest.mark.parametrize("lookup", [False, True], ids=["tree", "hybrid"])
-def test_tree_rests_when_no_tree_beats_not_drafting(tiny_targets, lookup):
+def test_tree_rests_when_no_tree_beats_not_drafting(tiny_targets):
     """Each extra verify row costs 3 plain steps: after its first round the tree skips the drafter for 7 rounds,
-    then probes. The hybrid decides from realised rounds (observe), so without any it keeps drafting."""
+    then probes."""
     target = tiny_targets["llama"]
     d = AdaptiveDrafter(
         DFlashDrafter(make_dflash(target, block=8), target),
         target,
         tree=True,
         cost=CostModel({1: 1.0, 2: 4.0, 64: 190.0}),
-        lookup=NgramDrafter(NgramConfig(block_size=5)) if lookup else None,
     )
     calls = []
     draft_logits = d.dflash.draft_logits
@@ -111,17 +109,14 @@ def test_tree_rests_when_no_tree_beats_not_drafting(tiny_targets, lookup):
     prompt = [5, 17, 33, 9, 40, 5, 17]
     hidden = target.forward(torch.tensor([prompt]), target.new_cache(), hidden_layers=d.hidden_layers).hidden
     d.start(prompt, hidden, SamplingParams(), None)
-    drafts = [d.propose([*prompt, 33], 7) for _ in range(9)]  # "5, 17, 33" repeats: the lookup proposes "9, 40"
-    if lookup:
-        assert len(calls) == 9 and all(x.tokens[:2].tolist() == [9, 40] for x in drafts)
-    else:
-        assert len(calls) == 2 and d.drafted == 2  # rounds 0 and 8
-        assert all(x.num_nodes == 0 for x in drafts[1:8]) and drafts[0].num_nodes > 0
+    drafts = [d.propose([*prompt, 33], 7) for _ in range(9)]
+    assert len(calls) == 2 and d.drafted == 2  # rounds 0 and 8
+    assert all(x.num_nodes == 0 for x in drafts[1:8]) and drafts[0].num_nodes > 0
 
 
 def _hybrid_on_repeat(target):
-    """An adaptive hybrid whose lookup proposes "9, 40" for the context below, costs in units where the tiny
-    drafter's wall time is negligible, and a backbone that ignores verdicts."""
+    """An adaptive hybrid whose lookup proposes "9, 40, ..." for the context below, a fake clock, and a backbone
+    that ignores verdicts."""
     d = AdaptiveDrafter(
         DFlashDrafter(make_dflash(target, block=8), target),
         target,
@@ -140,65 +135,57 @@ def _hybrid_on_repeat(target):
     return d, calls, [*prompt, 33]
 
 
-def test_hybrid_rests_its_model_while_it_adds_nothing_and_resumes_when_it_pays(tiny_targets):
-    """Rounds where the target accepts the lookup chain and nothing of the model's nodes: after 3 drafted rounds
-    of that evidence the model rests (the lookup chain alone is verified) for 7 rounds, then probes. Probes
-    where the model adds 6 tokens bring the drafter back: it then drafts every round."""
-    d, calls, tokens = _hybrid_on_repeat(tiny_targets["llama"])
-    lookup_only = Verdict(path=[0, 1], tokens=[9, 40, 3])
-    drafts = []
-    for _ in range(10):
-        drafts.append(d.propose(tokens, 7))
-        d.observe(lookup_only, None)
-    assert len(calls) == 3 and d.rests == 7  # rounds 0-2 drafted, 3-9 rested
-    assert all(x.is_chain and x.tokens[:2].tolist() == [9, 40] for x in drafts[3:])  # the lookup chain, cut
-    model_pays = Verdict(path=list(range(8)), tokens=list(range(9)))  # 2 lookup + 6 model tokens accepted
-    drafted = []
-    for _ in range(40):
+def _rounds(d, calls, tokens, n, drafted=(1.0, 3), rested=(1.0, 3)) -> list[bool]:
+    """n rounds on a fake clock: a drafting round takes drafted[0] seconds and emits drafted[1] tokens, a resting
+    one rested[0] and rested[1]. Returns which rounds drafted."""
+    now = [0.0]
+    d.clock = lambda: now[0]
+    out = []
+    for _ in range(n):
         before = len(calls)
         d.propose(tokens, 7)
-        drafted.append(len(calls) > before)
-        d.observe(model_pays if drafted[-1] else lookup_only, None)
-    assert drafted[0]  # round 10: the probe
-    assert all(drafted[-8:])  # drafting every round again
+        out.append(len(calls) > before)
+        seconds, emitted = drafted if out[-1] else rested
+        now[0] += seconds
+        d.observe(Verdict(path=list(range(emitted - 1)), tokens=list(range(emitted))), None)
+    return out
 
 
-def test_resting_hybrid_probes_less_often_while_its_model_keeps_failing(tiny_targets):
-    """Probe gaps 7, 15, 31, 63, 63 resting rounds while no probe shows the model paying."""
+def test_hybrid_rests_while_resting_rounds_emit_more_per_second(tiny_targets):
+    """Drafting rounds take 3 s for 3 tokens, resting ones 1 s for 3: after measuring both arms the hybrid rests,
+    probing the drafter at growing gaps; the resting rounds verify the lookup chain (cut by the rule)."""
     d, calls, tokens = _hybrid_on_repeat(tiny_targets["llama"])
-    drafted = []
-    for r in range(190):
-        before = len(calls)
-        d.propose(tokens, 7)
-        if len(calls) > before:
-            drafted.append(r)
-        d.observe(Verdict(path=[0, 1], tokens=[9, 40, 3]), None)
-    assert drafted == [0, 1, 2, 10, 26, 58, 122, 186]
+    drafted = _rounds(d, calls, tokens, 200, drafted=(3.0, 3), rested=(1.0, 3))
+    assert sum(drafted) <= 12 and all(drafted[:3])
+    gaps = [b - a for a, b in zip(*[[i for i, x in enumerate(drafted) if x][k:] for k in (0, 1)], strict=False)]
+    assert gaps[-2:] == [64, 64]  # the probe gap grew to its cap
+    draft = d.propose(tokens, 7)
+    assert draft.is_chain and draft.tokens[:2].tolist() == [9, 40]
 
 
-def test_hybrid_keeps_drafting_while_its_model_pays(tiny_targets):
+def test_hybrid_keeps_drafting_while_drafting_rounds_pay(tiny_targets):
+    """Drafting rounds: 1 s for 6 tokens; resting: 1 s for 2. After measuring resting once, it drafts every round."""
     d, calls, tokens = _hybrid_on_repeat(tiny_targets["llama"])
-    for _ in range(12):
-        d.propose(tokens, 7)
-        d.observe(Verdict(path=list(range(6)), tokens=list(range(7))), None)  # the model adds 4 tokens a round
-    assert len(calls) == 12 and d.rests == 0
+    drafted = _rounds(d, calls, tokens, 40, drafted=(1.0, 6), rested=(1.0, 2))
+    assert 1 <= drafted.count(False) <= 4 and all(drafted[-30:])
+
+
+def test_hybrid_resumes_drafting_when_its_probes_pay(tiny_targets):
+    d, calls, tokens = _hybrid_on_repeat(tiny_targets["llama"])
+    _rounds(d, calls, tokens, 30, drafted=(3.0, 3), rested=(1.0, 3))  # resting wins ...
+    drafted = _rounds(d, calls, tokens, 60, drafted=(1.0, 9), rested=(1.0, 3))  # ... until drafting is 3x better
+    assert all(drafted[-12:])
 
 
 def test_hybrid_rest_with_a_lookup_chain_does_not_park_the_model_without_one(tiny_targets):
-    """The model adds nothing to matched lookup chains, so it rests there; where the lookup finds no match the
-    alternative is a plain step, a separate regime with its own evidence: the model still drafts."""
+    """Resting wins where the lookup proposes a chain; where it finds no match (a separate regime with its own
+    arms) the model still drafts."""
     d, calls, tokens = _hybrid_on_repeat(tiny_targets["llama"])
-    for _ in range(4):
-        d.propose(tokens, 7)
-        d.observe(Verdict(path=[0, 1], tokens=[9, 40, 3]), None)
-    assert len(calls) == 3 and d.rests == 1 and not d.hybrid_model_pays(1)
+    _rounds(d, calls, tokens, 30, drafted=(3.0, 3), rested=(1.0, 3))
+    assert not d.hybrid_model_pays(1)
     no_match = [*tokens[:-1], 99]  # "17, 99" never occurred: the lookup proposes nothing
-    for _ in range(4):
-        before = len(calls)
-        draft = d.propose(no_match, 7)
-        assert len(calls) == before + 1 and draft.num_nodes > 0
-        d.observe(Verdict(path=[0], tokens=[3, 4]), None)  # the model's first node accepted
-    assert d.hybrid_model_pays(0) and d.rests == 1
+    drafted = _rounds(d, calls, no_match, 12, drafted=(1.0, 2), rested=(1.0, 1))
+    assert drafted[:3] == [True, True, True] and all(drafted[-6:]) and d.hybrid_model_pays(0)
 
 
 def test_resting_hybrid_cuts_the_lookup_chain_to_its_profitable_length(tiny_targets):

@@ -18,18 +18,20 @@ The rule (measured costs, running acceptance):
               (tree) when the last drafted round's best tree was slower than a plain step, likewise. A tree's
               E(N) needs this round's drafter output, so a tree decides from the last drafted round, a chain
               from the running counts.
-              (hybrid) when the model part's realised marginal rate is below what the round gives without it,
-                  Σ (a − a_look) / Σ (draft + cost(size+1) − cost(L+1))  <  Σ (1 + a_look) / Σ cost(L+1),
-              the round skips the drafter and verifies the lookup chain alone, cut to its best length by the
-              chain rule on β (possibly 0: a plain step). Rounds where the lookup proposes nothing and rounds
-              where it proposes a chain keep separate sums and probe schedules: without a chain the model
-              competes with a plain step (right side 1 / cost(1)), which it beats far more often than it beats
-              a matched lookup chain; pooled, HumanEval's long lookup matches rested the model in the rounds
-              where it was the only drafter (session 17). The sums are realised, not predicted, and forget
-              at MODEL_FORGET per drafted round: resting after one unprofitable round, as a first version
-              did, parked the model right before the rounds where it paid and lost on HumanEval
-              (dev/LOG.md, session 11); at temperature 1 the never-resting hybrid ran at 0.7x of plain
-              sampling (session 16).
+              (hybrid) a two-armed choice per regime, by the clock: tokens per wall second of past rounds
+              that drafted vs of past rounds that rested (verified the lookup chain alone, cut to its best
+              length by the chain rule on β, possibly 0: a plain step), each a forgetting sum (ARM_FORGET per
+              round of that arm) over whole rounds, drafter + verify + commit + engine, from one propose to
+              the next. Rest while the resting arm is faster. Rounds where the lookup proposes nothing and
+              rounds where it proposes a chain are separate regimes (arms and probe schedules): without a
+              chain the model competes with a plain step, which it beats far more often than a matched chain.
+              Why the clock: a first rule on the cost model, Σ(a − a_look) / Σ(draft + cost(size+1) −
+              cost(L+1)) against the lookup part's Σ(1 + a_look) / Σ cost(L+1), rested the model on greedy
+              HumanEval while never resting ran 6 % faster (session 17): per-round costs outside the target
+              forward, which the cost model leaves out, make extra tokens per round worth more than it
+              says. A rule on one round's prediction, before that, parked the model right before the rounds
+              where it paid (session 11); never resting ran at 0.7x of plain sampling at temperature 1
+              (session 16).
     probe     a resting drafter drafts (probes) after 7 resting rounds, then after twice as many each time
               it is still unprofitable, up to MAX_PROBE_GAP: a probe costs a drafter forward and a verify, and
               with one every 8th round the resting hybrid's round cost at temperature 1 was 1.32 plain steps
@@ -68,10 +70,10 @@ from byblock.verify.types import Draft, Verdict
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64, 65)
 EXPLORE_EVERY = 8
 FORGET = 0.95  # per round, the weight of older acceptance evidence (memory ~20 rounds: a turn is 50-100)
-# hybrid: per drafted round, the weight of older evidence on what the model part realised. Faster than FORGET
-# because while resting only probes are drafted: one or two good probes end a rest.
-MODEL_FORGET = 0.7
-MODEL_EVIDENCE = 2.0  # hybrid: rest only after this much (forgetting-weighted) drafted-round evidence
+# hybrid: per round of an arm, the weight of that arm's older rounds. Faster than FORGET because while resting
+# the drafting arm is only updated by probes: a few good probes end a rest.
+ARM_FORGET = 0.8
+ARM_EVIDENCE = 2.0  # hybrid: compare the arms once each has this much (forgetting-weighted) evidence
 MAX_PROBE_GAP = 63  # hybrid: at most this many resting rounds between two probes
 
 
@@ -91,6 +93,23 @@ def measure_verify_cost(target: TargetModel, sizes=COST_SIZES, context: int = 12
             cache.crop(context)
         out[k] = statistics.median(times[1:])  # the first run warms the kernels for this shape
     return out
+
+
+class RoundRate:
+    """Forgetting sums of tokens emitted and wall seconds spent by one arm's rounds (ARM_FORGET per round)."""
+
+    def __init__(self) -> None:
+        self.tokens, self.seconds, self.weight = 0.0, 0.0, 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """One more round of this arm."""
+        self.tokens = ARM_FORGET * self.tokens + tokens
+        self.seconds = ARM_FORGET * self.seconds + seconds
+        self.weight = ARM_FORGET * self.weight + 1
+
+    def rate(self) -> float:
+        """Tokens per second."""
+        return self.tokens / max(self.seconds, 1e-12)
 
 
 class CostModel:
@@ -148,13 +167,11 @@ class AdaptiveDrafter:
         self._predicted = 0.0
         self._depth = 0
         self._model_pays = True  # tree: the last drafted round's best tree beat a plain step
-        # hybrid, realised forgetting sums: tokens and seconds the model part added, per regime (index 0: the
-        # lookup proposed nothing, 1: it proposed a chain), and what the lookup part gave in regime 1
-        self.model_tok, self.model_s, self.model_w = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
-        self.look_tok, self.look_s = 0.0, 0.0
-        self._regime = 0
-        self._round_draft_s = 0.0  # this round's drafter seconds (0 when it rested)
-        self._size = 0  # hybrid: nodes in this round's merged tree
+        # hybrid: arms[regime][drafted] (regime 0: the lookup proposed nothing, 1: it proposed a chain)
+        self.arms = [[RoundRate(), RoundRate()], [RoundRate(), RoundRate()]]
+        self.clock = time.perf_counter
+        self._round: tuple[int, int, float] | None = None  # the open round: regime, drafted (0/1), start time
+        self._round_tokens = 0
         self.rests = 0  # rounds that skipped the drafter
         # per regime (chain and tree: only regime 0): resting rounds before the next probe, and since the last
         # drafted round (starting at the gap: the first unprofitable round probes)
@@ -164,6 +181,7 @@ class AdaptiveDrafter:
     def start(self, prompt_ids, target_hidden, params: SamplingParams, generator) -> None:
         """Reset per-request drafter state; acceptance statistics carry over (same model, same machine)."""
         self._params = params
+        self._round = None  # the last round of the previous request ended with it, not at this propose
         self.dflash.start(prompt_ids, target_hidden, params, generator)
 
     def expected_chain(self) -> torch.Tensor:
@@ -190,14 +208,18 @@ class AdaptiveDrafter:
                 return Draft.empty()
             draft = self._tree(self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth), draft_s)
         else:
+            now = self.clock()
+            if self._round is not None:  # the previous round ends where this one starts
+                self._close_round(now)
             look = self.lookup.propose(tokens, depth)
-            self._regime = int(look.num_nodes > 0)
-            if self._rests_now(self.hybrid_model_pays(self._regime), self._regime):
+            regime = int(look.num_nodes > 0)
+            rests = self._rests_now(self.hybrid_model_pays(regime), regime)
+            self._round = (regime, int(not rests), now)
+            if rests:
                 return self._rest_hybrid(look)
             logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
             draft = self._hybrid(look, logits, draft_s)
-        self._round_draft_s = time.perf_counter() - t0
-        self.draft_s += self._round_draft_s
+        self.draft_s += time.perf_counter() - t0
         self.drafted += 1
         self.rounds += 1
         return draft
@@ -216,13 +238,27 @@ class AdaptiveDrafter:
         self._resting_for[regime] = 0
         return False
 
+    def _close_round(self, now: float) -> None:
+        """Add the open round to its arm. A probe that alone beat the resting arm brings the next probe forward
+        (one probe moves the drafting arm by only 1 − ARM_FORGET)."""
+        assert self._round is not None
+        regime, drafted, start = self._round
+        arm = self.arms[regime][drafted]
+        seconds = now - start
+        arm.add(self._round_tokens, seconds)
+        rested = self.arms[regime][0]
+        if drafted and rested.weight >= ARM_EVIDENCE and self._round_tokens >= rested.rate() * seconds:
+            self._probe_gap[regime] = EXPLORE_EVERY - 1
+
     def hybrid_model_pays(self, regime: int) -> bool:
-        """Hybrid: whether the model part's realised tokens per second beat the round without it (module doc);
-        regime 0: the lookup proposed nothing (the alternative is a plain step), 1: it proposed a chain."""
-        if self.model_w[regime] < MODEL_EVIDENCE:
-            return True  # too little evidence: keep drafting
-        base_tok, base_s = (1.0, self.cost(1)) if regime == 0 else (self.look_tok, self.look_s)
-        return self.model_tok[regime] * base_s >= base_tok * max(self.model_s[regime], 1e-9)
+        """Hybrid: whether drafting rounds have emitted more tokens per second than resting ones (module doc);
+        regime 0: the lookup proposed nothing (resting is a plain step), 1: it proposed a chain."""
+        rested, drafted = self.arms[regime]
+        if drafted.weight < ARM_EVIDENCE:
+            return True  # measure drafting first: it is the default
+        if rested.weight < ARM_EVIDENCE:
+            return False  # then resting
+        return drafted.rate() >= rested.rate()
 
     def _rest_hybrid(self, look: Draft) -> Draft:
         """A round without the drafter: the lookup chain alone, cut to its most profitable length."""
@@ -230,7 +266,7 @@ class AdaptiveDrafter:
         expected = torch.cat([torch.ones(1), 1 + beta.cumsum(0)])  # E(l) for l = 0..L
         rate = [float(expected[n]) / self.cost(n + 1) for n in range(look.num_nodes + 1)]
         keep = max(range(len(rate)), key=rate.__getitem__)
-        self._round_draft_s, self._predicted = 0.0, 0.0
+        self._predicted = 0.0
         self._look_len = self.last_choice = keep
         return Draft.chain(look.tokens[:keep])
 
@@ -282,7 +318,6 @@ class AdaptiveDrafter:
         self.last_choice = int(size[n_best])
         self._predicted = float((path_p * new)[:n_best].sum())
         self._look_len = length
-        self._size = int(size[n_best])
         model = Draft(tokens=toks[:n_best], parents=torch.tensor(parents[:n_best], dtype=torch.long))
         return merge_trees(look, model, budget=length + n_best)
 
@@ -293,19 +328,6 @@ class AdaptiveDrafter:
             seen.sub_(2).mul_(FORGET).add_(2)
         self.rho_num = 1 + FORGET * (self.rho_num - 1)
         self.rho_den = 1 + FORGET * (self.rho_den - 1)
-
-    def _observe_hybrid_rates(self, accepted: int, a_look: int) -> None:
-        """Add this round's realised tokens and seconds to the lookup part's and (if drafted) the model part's sums."""
-        r = self._regime
-        look_cost = self.cost(self._look_len + 1)
-        if r == 1:
-            self.look_tok = FORGET * self.look_tok + 1 + a_look
-            self.look_s = FORGET * self.look_s + look_cost
-        if self._round_draft_s > 0.0:  # the drafter ran: the nodes past the lookup path are the model's
-            extra_s = self._round_draft_s + max(0.0, self.cost(self._size + 1) - look_cost)
-            self.model_tok[r] = MODEL_FORGET * self.model_tok[r] + (accepted - a_look)
-            self.model_s[r] = MODEL_FORGET * self.model_s[r] + extra_s
-            self.model_w[r] = MODEL_FORGET * self.model_w[r] + 1
 
     @staticmethod
     def _path_probs(logp: torch.Tensor, ids: list[int], parents: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -331,8 +353,7 @@ class AdaptiveDrafter:
                 self.look_accepted[:a_look] += 1
             self.rho_num += a - a_look
             self.rho_den += self._predicted
-            if self.lookup is not None:
-                self._observe_hybrid_rates(a, a_look)
+            self._round_tokens = a + 1
         else:
             reached = min(a + 1, self._depth)  # depths 1..a accepted; depth a+1 tried and rejected (if drafted)
             self.reached[:reached] += 1
