@@ -93,6 +93,18 @@ def test_chain_rests_when_no_depth_beats_a_plain_step(tiny_targets):
     assert all(x.num_nodes == 0 for x in drafts[1:]) and d.last_choice == 0 and d.drafted == 1
 
 
+def _counted_and_started(d: AdaptiveDrafter, target) -> tuple[list, list[int]]:
+    """Count the drafter's forwards (their depths) and start a request on a prompt where "5, 17, 33" repeats
+    (the lookup proposes "9, 40, ..." after the returned context)."""
+    calls: list = []
+    draft_logits = d.dflash.draft_logits
+    d.dflash.draft_logits = lambda *a: calls.append(a[2]) or draft_logits(*a)
+    prompt = [5, 17, 33, 9, 40, 5, 17]
+    hidden = target.forward(torch.tensor([prompt]), target.new_cache(), hidden_layers=d.hidden_layers).hidden
+    d.start(prompt, hidden, SamplingParams(), None)
+    return calls, [*prompt, 33]
+
+
 def test_tree_rests_when_no_tree_beats_not_drafting(tiny_targets):
     """Each extra verify row costs 3 plain steps: after its first round the tree skips the drafter for 7 rounds,
     then probes."""
@@ -103,13 +115,8 @@ def test_tree_rests_when_no_tree_beats_not_drafting(tiny_targets):
         tree=True,
         cost=CostModel({1: 1.0, 2: 4.0, 64: 190.0}),
     )
-    calls = []
-    draft_logits = d.dflash.draft_logits
-    d.dflash.draft_logits = lambda *a: calls.append(a[2]) or draft_logits(*a)
-    prompt = [5, 17, 33, 9, 40, 5, 17]
-    hidden = target.forward(torch.tensor([prompt]), target.new_cache(), hidden_layers=d.hidden_layers).hidden
-    d.start(prompt, hidden, SamplingParams(), None)
-    drafts = [d.propose([*prompt, 33], 7) for _ in range(9)]
+    calls, tokens = _counted_and_started(d, target)
+    drafts = [d.propose(tokens, 7) for _ in range(9)]
     assert len(calls) == 2 and d.drafted == 2  # rounds 0 and 8
     assert all(x.num_nodes == 0 for x in drafts[1:8]) and drafts[0].num_nodes > 0
 
@@ -125,14 +132,9 @@ def _hybrid_on_repeat(target):
         cost=CostModel({1: 100.0, 64: 200.0}),
         lookup=NgramDrafter(NgramConfig(block_size=5)),
     )
-    calls = []
-    draft_logits = d.dflash.draft_logits
-    d.dflash.draft_logits = lambda *a: calls.append(a[2]) or draft_logits(*a)
-    prompt = [5, 17, 33, 9, 40, 5, 17]
-    hidden = target.forward(torch.tensor([prompt]), target.new_cache(), hidden_layers=d.hidden_layers).hidden
-    d.start(prompt, hidden, SamplingParams(), None)
+    calls, tokens = _counted_and_started(d, target)
     d.dflash.observe = lambda verdict, hidden: None
-    return d, calls, [*prompt, 33]
+    return d, calls, tokens
 
 
 def _rounds(d, calls, tokens, n, drafted=(1.0, 3), rested=(1.0, 3)) -> list[bool]:

@@ -27,9 +27,9 @@ The rule (measured costs, running acceptance):
               chain the model competes with a plain step, which it beats far more often than a matched chain.
               Why the clock: a first rule on the cost model, Σ(a − a_look) / Σ(draft + cost(size+1) −
               cost(L+1)) against the lookup part's Σ(1 + a_look) / Σ cost(L+1), rested the model on greedy
-              HumanEval while never resting ran 6 % faster (session 17): per-round costs outside the target
-              forward, which the cost model leaves out, make extra tokens per round worth more than it
-              says. A rule on one round's prediction, before that, parked the model right before the rounds
+              HumanEval while never resting ran 6 % faster (session 17); the clock measures what the cost
+              model only estimates (it prices the target forward, not the rest of a round). A rule on one
+              round's prediction, before that, parked the model right before the rounds
               where it paid (session 11); never resting ran at 0.7x of plain sampling at temperature 1
               (session 16).
     probe     a resting drafter drafts (probes) after 7 resting rounds, then after twice as many each time
