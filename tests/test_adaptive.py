@@ -36,7 +36,7 @@ def test_chain_depth_follows_acceptance_and_cost(tiny_targets):
     steep = CostModel({1: 1.0, 2: 2.0, 64: 64.0})  # every token costs a full step: never draft
     for cost, want in ((flat, 7), (steep, 0)):
         d = _adaptive(target, cost)
-        d.rounds, d._resting_for = 1, [0, 0]  # not the first round: neither a whole-block exploration nor a probe
+        d.rounds, d.probes[0].resting_for = 1, 0  # not the first round: neither a whole-block exploration nor a probe
         d.start(
             [5, 17, 33, 9],
             target.forward(torch.tensor([[5, 17, 33, 9]]), target.new_cache(), hidden_layers=d.hidden_layers).hidden,
@@ -196,7 +196,7 @@ def test_resting_hybrid_cuts_the_lookup_chain_to_its_profitable_length(tiny_targ
     d.cost = CostModel({1: 100.0, 2: 200.0, 64: 6400.0})
     d.look_accepted.fill_(1.0)
     d.look_reached.fill_(100.0)
-    d._resting_for = [0, 0]  # not the first round (which would probe)
+    d.probes[1].resting_for = 0  # not the first round (which would probe)
     d.hybrid_model_pays = lambda regime: False
     draft = d.propose(tokens, 7)
     assert draft.num_nodes == 0 and not calls and d.rests == 1

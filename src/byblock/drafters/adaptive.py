@@ -74,7 +74,7 @@ FORGET = 0.95  # per round, the weight of older acceptance evidence (memory ~20 
 # the drafting arm is only updated by probes: a few good probes end a rest.
 ARM_FORGET = 0.8
 ARM_EVIDENCE = 2.0  # hybrid: compare the arms once each has this much (forgetting-weighted) evidence
-MAX_PROBE_GAP = 63  # hybrid: at most this many resting rounds between two probes
+MAX_PROBE_GAP = 63  # at most this many resting rounds between two probes
 
 
 def measure_verify_cost(target: TargetModel, sizes=COST_SIZES, context: int = 128, repeats: int = 3) -> dict:
@@ -110,6 +110,37 @@ class RoundRate:
     def rate(self) -> float:
         """Tokens per second."""
         return self.tokens / max(self.seconds, 1e-12)
+
+
+class ProbeSchedule:
+    """When a resting drafter drafts again: after `gap` resting rounds, the gap doubling (up to MAX_PROBE_GAP)
+    while drafting stays unprofitable. It starts due, so the first unprofitable round probes."""
+
+    def __init__(self) -> None:
+        self.gap = EXPLORE_EVERY - 1  # resting rounds before the next probe
+        self.resting_for = EXPLORE_EVERY - 1  # resting rounds since the last drafted one
+
+    def rests_now(self, pays: bool) -> bool:
+        """Whether this round rests: not while drafting pays, and not on a probe."""
+        if pays:
+            self.gap, self.resting_for = EXPLORE_EVERY - 1, 0
+            return False
+        if self.resting_for < self.gap:
+            self.resting_for += 1
+            return True
+        self.gap = min(2 * self.gap + 1, MAX_PROBE_GAP)  # for the next probe, if this one fails too
+        self.resting_for = 0
+        return False
+
+    def bring_forward(self) -> None:
+        """The next probe comes after the shortest gap again."""
+        self.gap = EXPLORE_EVERY - 1
+
+
+def expected_tokens(accept: torch.Tensor) -> torch.Tensor:
+    """E(d) for d = 0..len(accept): tokens a round emits with a depth-d chain whose depth-j token is accepted
+    with probability accept[j−1] given its parent was, 1 + Σ_{i ≤ d} Π_{j ≤ i} accept_j."""
+    return torch.cat([torch.ones(1), 1 + accept.cumprod(0).cumsum(0)])
 
 
 class CostModel:
@@ -173,10 +204,7 @@ class AdaptiveDrafter:
         self._round: tuple[int, int, float] | None = None  # the open round: regime, drafted (0/1), start time
         self._round_tokens = 0
         self.rests = 0  # rounds that skipped the drafter
-        # per regime (chain and tree: only regime 0): resting rounds before the next probe, and since the last
-        # drafted round (starting at the gap: the first unprofitable round probes)
-        self._probe_gap = [EXPLORE_EVERY - 1, EXPLORE_EVERY - 1]
-        self._resting_for = [EXPLORE_EVERY - 1, EXPLORE_EVERY - 1]
+        self.probes = [ProbeSchedule(), ProbeSchedule()]  # per regime (chain and tree: only regime 0)
 
     def start(self, prompt_ids, target_hidden, params: SamplingParams, generator) -> None:
         """Reset per-request drafter state; acceptance statistics carry over (same model, same machine)."""
@@ -186,8 +214,7 @@ class AdaptiveDrafter:
 
     def expected_chain(self) -> torch.Tensor:
         """E(d) for d = 0..B−1: expected tokens emitted by a round with a depth-d chain."""
-        alpha = self.accepted_at / self.reached  # [B−1]
-        return torch.cat([torch.ones(1), 1 + alpha.cumprod(0).cumsum(0)])
+        return expected_tokens(self.accepted_at / self.reached)  # α: [B−1]
 
     def propose(self, tokens: list[int], max_depth: int) -> Draft:
         """Draft the full block once, then keep the most profitable prefix (chain) or node count (tree)."""
@@ -225,18 +252,11 @@ class AdaptiveDrafter:
         return draft
 
     def _rests_now(self, pays: bool, regime: int = 0) -> bool:
-        """Whether this round skips the drafter: not while drafting pays, and not on a probe (see the module doc)."""
-        if pays:
-            self._probe_gap[regime], self._resting_for[regime] = EXPLORE_EVERY - 1, 0
-            return False
-        if self._resting_for[regime] < self._probe_gap[regime]:
-            self._resting_for[regime] += 1
-            self.rests += 1
-            self.rounds += 1
-            return True
-        self._probe_gap[regime] = min(2 * self._probe_gap[regime] + 1, MAX_PROBE_GAP)  # if this probe fails too
-        self._resting_for[regime] = 0
-        return False
+        """Whether this round skips the drafter (counted as a round and a rest); see ProbeSchedule."""
+        rests = self.probes[regime].rests_now(pays)
+        self.rests += int(rests)
+        self.rounds += int(rests)
+        return rests
 
     def _close_round(self, now: float) -> None:
         """Add the open round to its arm. A probe that alone beat the resting arm brings the next probe forward
@@ -248,7 +268,7 @@ class AdaptiveDrafter:
         arm.add(self._round_tokens, seconds)
         rested = self.arms[regime][0]
         if drafted and rested.weight >= ARM_EVIDENCE and self._round_tokens >= rested.rate() * seconds:
-            self._probe_gap[regime] = EXPLORE_EVERY - 1
+            self.probes[regime].bring_forward()
 
     def hybrid_model_pays(self, regime: int) -> bool:
         """Hybrid: whether drafting rounds have emitted more tokens per second than resting ones (module doc);
@@ -262,8 +282,7 @@ class AdaptiveDrafter:
 
     def _rest_hybrid(self, look: Draft) -> Draft:
         """A round without the drafter: the lookup chain alone, cut to its most profitable length."""
-        beta = (self.look_accepted / self.look_reached)[: look.num_nodes].cumprod(0)  # [L]
-        expected = torch.cat([torch.ones(1), 1 + beta.cumsum(0)])  # E(l) for l = 0..L
+        expected = expected_tokens((self.look_accepted / self.look_reached)[: look.num_nodes])  # E(l), l = 0..L
         rate = [float(expected[n]) / self.cost(n + 1) for n in range(look.num_nodes + 1)]
         keep = max(range(len(rate)), key=rate.__getitem__)
         self._predicted = 0.0
