@@ -67,6 +67,17 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / "models" / f"{gguf.stem}-{key}"
 
 
+def publish_dir(tmp: Path, target: Path) -> None:
+    """Rename a finished temporary directory into place. Two processes loading the same model for the first
+    time both convert it; the second rename finds the first one's directory, which is just as good: keep it."""
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def dequantize_gguf(gguf: Path) -> Path:
     """De-quantize a GGUF into a safetensors checkpoint directory once; return that directory.
 
@@ -91,7 +102,7 @@ def dequantize_gguf(gguf: Path) -> Path:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        tmp.rename(target)
+        publish_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
