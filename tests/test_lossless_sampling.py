@@ -140,7 +140,7 @@ def forgets_residual(draft, logits, params, g):
     good = rejection_chain(draft, p, noise)
     if good.num_accepted < draft.num_nodes:
         a = good.num_accepted
-        return Verdict(path=good.path, tokens=[*good.tokens[:a], int((p[a] / noise.e[a]).argmax())])
+        return Verdict(path=good.path, tokens=[*good.tokens[:a], int((p[a] / noise.exp_row(a)).argmax())])
     return good
 
 

@@ -6,9 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from byblock.verify.greedy import verify_greedy, walk
+from byblock.verify.greedy import verify_greedy
 from byblock.verify.reference import reference_greedy, reference_rejection, reference_tree_sampling
 from byblock.verify.rejection import rejection_chain
+from byblock.verify.tree_sampling import walk_sampled
 from byblock.verify.types import Draft, Noise
 
 
@@ -36,7 +37,36 @@ def test_tree_sampling_fast_equals_reference(n, vocab, chain, seed):
     draft = random_tree(n, vocab, g, chain)
     p = torch.randn(n + 1, vocab, generator=g).softmax(-1)
     noise = Noise.draw(n, vocab, g)
-    assert walk(draft, (p / noise.e).argmax(-1)) == reference_tree_sampling(draft, p, noise)
+    assert walk_sampled(draft, p, noise) == reference_tree_sampling(draft, p, noise)
+
+
+def test_noise_rows_are_keyed_not_ordered():
+    """A row's variates do not depend on which rows were asked for before it, or how often."""
+    noise = Noise.draw(8, 50, torch.Generator().manual_seed(3))
+    later_first = [noise.exp_row(r) for r in (5, 0, 5)]
+    assert torch.equal(later_first[0], later_first[2])
+    assert torch.equal(noise.exp_row(0), later_first[1])
+    assert not torch.equal(noise.exp_row(0), noise.exp_row(1))
+    other = Noise.draw(8, 50, torch.Generator().manual_seed(4))
+    assert not torch.equal(noise.exp_row(0), other.exp_row(0))
+
+
+def test_sampled_walk_draws_only_the_rows_on_its_path():
+    """The point of lazy rows: a 31-node tree whose root sample matches no child costs one row of variates."""
+
+    class CountingNoise(Noise):
+        def exp_row(self, row: int) -> torch.Tensor:
+            asked.append(row)
+            return super().exp_row(row)
+
+    asked: list[int] = []
+    vocab = 40
+    draft = Draft(tokens=torch.arange(1, 32), parents=torch.full((31,), -1))  # 31 children of the root
+    p = torch.zeros(32, vocab)
+    p[:, 0] = 1.0  # the target always says token 0, which no child carries
+    base = Noise.draw(31, vocab, torch.Generator().manual_seed(0))
+    verdict = walk_sampled(draft, p, CountingNoise(u=base.u, seed=base.seed, vocab=vocab))
+    assert verdict.tokens == [0] and asked == [0]
 
 
 @settings(max_examples=300, deadline=None)

@@ -6,8 +6,9 @@ import torch
 
 from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import process_logits
-from byblock.verify.greedy import verify_greedy, walk
+from byblock.verify.greedy import verify_greedy
 from byblock.verify.rejection import rejection_chain
+from byblock.verify.tree_sampling import walk_sampled
 from byblock.verify.types import Draft, Noise, Verdict
 
 __all__ = ["Draft", "Noise", "Verdict", "verify"]
@@ -20,7 +21,7 @@ def verify(
 
     greedy                      -> follow the target's argmax (chains and trees)
     sampling, chain with q      -> speculative sampling with the residual (rejection.py)
-    sampling, deterministic/tree-> sample y ~ p at each node, follow the matching child (greedy.walk)
+    sampling, deterministic/tree-> sample y ~ p at each node, follow the matching child (tree_sampling.py)
     """
     if params.greedy:
         return verify_greedy(draft, target_logits)
@@ -28,4 +29,4 @@ def verify(
     noise = Noise.draw(draft.num_nodes, p.shape[-1], generator)
     if draft.q is not None and draft.is_chain and draft.num_nodes:
         return rejection_chain(draft, p, noise)
-    return walk(draft, (p / noise.e).argmax(-1))
+    return walk_sampled(draft, p, noise)

@@ -44,7 +44,7 @@ def reference_tree_sampling(draft: Draft, p: torch.Tensor, noise: Noise) -> Verd
     node = -1
     while True:
         row = node + 1
-        y = _sample(p[row], noise.e[row])
+        y = _sample(p[row], noise.exp_row(row))
         child = next(
             (i for i in range(draft.num_nodes) if int(draft.parents[i]) == node and int(draft.tokens[i]) == y),
             None,
@@ -71,7 +71,7 @@ def reference_rejection(draft: Draft, p: torch.Tensor, noise: Noise) -> Verdict:
         if float(residual.sum()) <= 0:
             residual = p[i]
         residual = residual / residual.sum()  # norm(max(0, p - q))
-        emitted.append(_sample(residual, noise.e[i]))
+        emitted.append(_sample(residual, noise.exp_row(i)))
         return Verdict(path=list(range(i)), tokens=emitted)
-    emitted.append(_sample(p[gamma], noise.e[gamma]))  # all accepted: bonus token from p_{γ+1}
+    emitted.append(_sample(p[gamma], noise.exp_row(gamma)))  # all accepted: bonus token from p_{γ+1}
     return Verdict(path=list(range(gamma)), tokens=emitted)

@@ -27,7 +27,7 @@ def rejection_chain(draft: Draft, p: torch.Tensor, noise: Noise) -> Verdict:
         residual = (p[a] - draft.q[a]).clamp_min(0)  # [V]
         if float(residual.sum()) <= 0:  # p == q at this row: rejection had probability 0; fall back to p
             residual = p[a]
-        last = int((residual / noise.e[a]).argmax())
+        last = int((residual / noise.exp_row(a)).argmax())
     else:
-        last = int((p[k] / noise.e[k]).argmax())
+        last = int((p[k] / noise.exp_row(k)).argmax())
     return Verdict(path=list(range(a)), tokens=[*x[:a].tolist(), last])

@@ -1,0 +1,28 @@
+"""Sampled verification of deterministic candidates (trees, lookup chains): sample, then follow the match.
+
+At the current node (the root first) draw y ~ p from the target's row for that node; if a child carries y, move
+to it and repeat, else emit y and stop. Every emitted token is a fresh sample from p given the emitted prefix,
+whatever the candidates were, so the output is distributed exactly as plain sampling (SpecInfer's
+deterministic-candidate case). Only the rows on the path are sampled: τ draws per round, not N+1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from byblock.verify.types import Draft, Noise, Verdict
+
+
+def walk_sampled(draft: Draft, p: torch.Tensor, noise: Noise) -> Verdict:
+    """p: [N+1, V] processed target probs (row 0 = root, row i+1 = node i). Equals reference_tree_sampling."""
+    kids = draft.children()  # kids[row] = nodes whose parent's row is `row`
+    tokens = draft.tokens.tolist()
+    path: list[int] = []
+    row = 0
+    while True:
+        y = int((p[row] / noise.exp_row(row)).argmax())
+        nxt = next((c for c in kids[row] if tokens[c] == y), None)
+        if nxt is None:
+            return Verdict(path=path, tokens=[tokens[i] for i in path] + [y])
+        path.append(nxt)
+        row = nxt + 1
