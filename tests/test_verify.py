@@ -6,6 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from byblock.sampling.params import SamplingParams
+from byblock.sampling.processors import process_logits
 from byblock.verify.greedy import verify_greedy
 from byblock.verify.reference import reference_greedy, reference_rejection, reference_tree_sampling
 from byblock.verify.rejection import rejection_chain
@@ -35,9 +37,11 @@ def test_greedy_fast_equals_reference(n, vocab, chain, seed):
 def test_tree_sampling_fast_equals_reference(n, vocab, chain, seed):
     g = torch.Generator().manual_seed(seed)
     draft = random_tree(n, vocab, g, chain)
-    p = torch.randn(n + 1, vocab, generator=g).softmax(-1)
+    logits = torch.randn(n + 1, vocab, generator=g)
+    params = SamplingParams(temperature=0.8, top_p=0.9) if seed % 2 else SamplingParams(temperature=1.0)
     noise = Noise.draw(n, vocab, g)
-    assert walk_sampled(draft, p, noise) == reference_tree_sampling(draft, p, noise)
+    fast = walk_sampled(draft, logits, params, noise)
+    assert fast == reference_tree_sampling(draft, process_logits(logits, params), noise)
 
 
 def test_noise_rows_are_keyed_not_ordered():
@@ -62,10 +66,10 @@ def test_sampled_walk_draws_only_the_rows_on_its_path():
     asked: list[int] = []
     vocab = 40
     draft = Draft(tokens=torch.arange(1, 32), parents=torch.full((31,), -1))  # 31 children of the root
-    p = torch.zeros(32, vocab)
-    p[:, 0] = 1.0  # the target always says token 0, which no child carries
+    logits = torch.full((32, vocab), -30.0)
+    logits[:, 0] = 30.0  # the target always says token 0, which no child carries
     base = Noise.draw(31, vocab, torch.Generator().manual_seed(0))
-    verdict = walk_sampled(draft, p, CountingNoise(u=base.u, seed=base.seed, vocab=vocab))
+    verdict = walk_sampled(draft, logits, SamplingParams(temperature=1.0), CountingNoise(base.u, base.seed, vocab))
     assert verdict.tokens == [0] and asked == [0]
 
 

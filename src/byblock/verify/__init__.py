@@ -25,8 +25,7 @@ def verify(
     """
     if params.greedy:
         return verify_greedy(draft, target_logits)
-    p = process_logits(target_logits, params)  # [N+1, V]
-    noise = Noise.draw(draft.num_nodes, p.shape[-1], generator)
+    noise = Noise.draw(draft.num_nodes, target_logits.shape[-1], generator)
     if draft.q is not None and draft.is_chain and draft.num_nodes:
-        return rejection_chain(draft, p, noise)
-    return walk_sampled(draft, p, noise)
+        return rejection_chain(draft, process_logits(target_logits, params), noise)  # needs p at every row
+    return walk_sampled(draft, target_logits, params, noise)

@@ -3,24 +3,29 @@
 At the current node (the root first) draw y ~ p from the target's row for that node; if a child carries y, move
 to it and repeat, else emit y and stop. Every emitted token is a fresh sample from p given the emitted prefix,
 whatever the candidates were, so the output is distributed exactly as plain sampling (SpecInfer's
-deterministic-candidate case). Only the rows on the path are sampled: τ draws per round, not N+1.
+deterministic-candidate case). Only the rows on the path are processed and sampled — τ rows per round, not
+N+1: with top-p each processed row is a sort of the whole vocabulary.
 """
 
 from __future__ import annotations
 
 import torch
 
+from byblock.sampling.params import SamplingParams
+from byblock.sampling.processors import process_logits
 from byblock.verify.types import Draft, Noise, Verdict
 
 
-def walk_sampled(draft: Draft, p: torch.Tensor, noise: Noise) -> Verdict:
-    """p: [N+1, V] processed target probs (row 0 = root, row i+1 = node i). Equals reference_tree_sampling."""
+def walk_sampled(draft: Draft, target_logits: torch.Tensor, params: SamplingParams, noise: Noise) -> Verdict:
+    """target_logits: [N+1, V] (row 0 = root, row i+1 = node i), processed row by row as the walk reaches
+    them. Equals reference_tree_sampling on process_logits(target_logits, params)."""
     kids = draft.children()  # kids[row] = nodes whose parent's row is `row`
     tokens = draft.tokens.tolist()
     path: list[int] = []
     row = 0
     while True:
-        y = int((p[row] / noise.exp_row(row)).argmax())
+        p = process_logits(target_logits[row], params)  # [V]
+        y = int((p / noise.exp_row(row)).argmax())
         nxt = next((c for c in kids[row] if tokens[c] == y), None)
         if nxt is None:
             return Verdict(path=path, tokens=[tokens[i] for i in path] + [y])
