@@ -94,33 +94,31 @@ class Verdict:
         return len(self.path)
 
 
-# Odd 64-bit constant (2^64 / golden ratio): spreads row indices over the seed space before they are mixed in.
-_ROW_STRIDE = 0x9E3779B97F4A7C15
-
-
 @dataclass(frozen=True)
 class Noise:
-    """All randomness one sampled verification consumes, keyed so that fast and reference paths agree.
+    """All randomness one sampled verification consumes, shared so that fast and reference paths agree.
 
     Sampling y ~ p is done as argmax(p / e) with e ~ Exp(1) i.i.d. (the exponential-race form of the Gumbel-max
     trick): exact and free of host syncs. The rows of e are not drawn up front: a tree walk only ever samples
     the rows on its path (τ of them, not N+1), and drawing [N+1, V] variates cost a 17-row verify of a
-    49k-vocabulary target 18 ms, a third of a plain decoding step. Row r's variates come from a generator seeded
-    by (seed, r), so they are the same whichever path asks, in whatever order, and as often as it asks.
+    49k-vocabulary target 18 ms, a third of a plain decoding step. A row is drawn from the round's generator
+    the first time anyone asks for it and remembered, so every path handed this Noise sees the same variates
+    for a row. (Rows are not keyed by seeding a generator per row: a CPU generator keeps only 32 bits of its
+    seed, and row streams would start to collide within long generations.)
     """
 
     u: torch.Tensor  # [N] uniforms in [0, 1) for accept tests
-    seed: int  # this round's key for the rows of e
     vocab: int  # V
+    generator: torch.Generator | None
+    _rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @staticmethod
-    def draw(num_nodes: int, vocab: int, generator: torch.Generator) -> Noise:
-        """Draw noise for a draft of `num_nodes` nodes over a vocabulary of `vocab`."""
-        u = torch.rand(num_nodes, generator=generator)
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-        return Noise(u=u, seed=seed, vocab=vocab)
+    def draw(num_nodes: int, vocab: int, generator: torch.Generator | None) -> Noise:
+        """Noise for a draft of `num_nodes` nodes over a vocabulary of `vocab`; rows of e follow on demand."""
+        return Noise(u=torch.rand(num_nodes, generator=generator), vocab=vocab, generator=generator)
 
     def exp_row(self, row: int) -> torch.Tensor:
-        """[V] Exp(1) variates for scored position `row` (0 = the root), the same on every call."""
-        g = torch.Generator().manual_seed((self.seed + row * _ROW_STRIDE) % 2**63)
-        return torch.empty(self.vocab).exponential_(1.0, generator=g)
+        """[V] Exp(1) variates for scored position `row` (0 = the root): fresh on first use, then the same."""
+        if row not in self._rows:
+            self._rows[row] = torch.empty(self.vocab).exponential_(1.0, generator=self.generator)
+        return self._rows[row]
