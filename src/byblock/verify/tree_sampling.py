@@ -13,21 +13,16 @@ import torch
 
 from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import process_logits
+from byblock.verify.greedy import follow
 from byblock.verify.types import Draft, Noise, Verdict
 
 
 def walk_sampled(draft: Draft, target_logits: torch.Tensor, params: SamplingParams, noise: Noise) -> Verdict:
     """target_logits: [N+1, V] (row 0 = root, row i+1 = node i), processed row by row as the walk reaches
     them. Equals reference_tree_sampling on process_logits(target_logits, params)."""
-    kids = draft.children()  # kids[row] = nodes whose parent's row is `row`
-    tokens = draft.tokens.tolist()
-    path: list[int] = []
-    row = 0
-    while True:
+
+    def sample_row(row: int) -> int:
         p = process_logits(target_logits[row], params)  # [V]
-        y = int((p / noise.exp_row(row)).argmax())
-        nxt = next((c for c in kids[row] if tokens[c] == y), None)
-        if nxt is None:
-            return Verdict(path=path, tokens=[tokens[i] for i in path] + [y])
-        path.append(nxt)
-        row = nxt + 1
+        return int((p / noise.exp_row(row)).argmax())
+
+    return follow(draft, sample_row)
