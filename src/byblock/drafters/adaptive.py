@@ -63,6 +63,7 @@ from byblock.drafters.ngram import NgramDrafter
 from byblock.models.adapter import TargetModel
 from byblock.models.kv_cache import KVCache
 from byblock.sampling.params import SamplingParams
+from byblock.verify.rows import FIRST_ROWS
 from byblock.verify.types import Draft, Verdict
 
 # both sides of each ROW_CHUNK boundary (models/invariant.py): 33 rows cost a second linear pass, a step that
@@ -78,7 +79,8 @@ MAX_PROBE_GAP = 63  # at most this many resting rounds between two probes
 
 
 def measure_verify_cost(target: TargetModel, sizes=COST_SIZES, context: int = 128, repeats: int = 3) -> dict:
-    """Median seconds of one target forward over k new tokens after `context` cached ones, per k."""
+    """Median seconds of one verify forward over k new tokens after `context` cached ones, per k: the decoder
+    stack over k rows, then the LM head over the rows a verification reads first (verify/rows.py)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, max(11, target.vocab_size - 1), (1, context + max(sizes)), generator=g)
     cache = KVCache()  # a plain cache: compressed ones (H2O, windows) are committed, not cropped
@@ -88,7 +90,9 @@ def measure_verify_cost(target: TargetModel, sizes=COST_SIZES, context: int = 12
         times = []
         for _ in range(repeats + 1):
             t = time.perf_counter()
-            target.forward(ids[:, context : context + k], cache)
+            fwd = target.forward(ids[:, context : context + k], cache, defer_logits=True)
+            if fwd.final is not None:
+                target.head(fwd.final[0, :FIRST_ROWS])
             times.append(time.perf_counter() - t)
             cache.crop(context)
         out[k] = statistics.median(times[1:])  # the first run warms the kernels for this shape

@@ -4,7 +4,8 @@ Invariant between rounds: `tokens` holds every committed token; the target cache
 but the last one (the root), whose K/V is computed in the next round's forward together with the draft.
 
     round:  input  = [root, x_1 .. x_N]            positions past + [0, depth_1 .. depth_N]
-            logits = target(input)                  row 0 predicts after root, row i+1 after x_i
+            logits = target(input)                  row 0 predicts after root, row i+1 after x_i;
+                                                    the LM head runs only on the rows verify reads
             verdict= verify(draft, logits)          accepted path x_{i_1}..x_{i_a} + one target token
             cache  = keep(prefix, root, path)       compact: a tree's accepted nodes are not contiguous
             emit     path tokens (from_draft) then the target token (the new root)
@@ -22,7 +23,7 @@ from byblock.engine.types import SpecStats, TokenEvent
 from byblock.models.adapter import TargetModel
 from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import choose
-from byblock.verify import Draft, verify
+from byblock.verify import Draft, TargetRows, verify
 
 
 def speculative_decode(
@@ -61,8 +62,12 @@ def speculative_decode(
             depths = torch.cat([torch.zeros(1, dtype=torch.long), node_depths])  # [1+N]
             positions = (root_pos + depths)[None]
             tree_mask = draft.ancestor_mask()
-        out = target.forward(input_ids, cache, positions=positions, tree_mask=tree_mask, hidden_layers=layers)
-        verdict = verify(draft, out.logits[0], params, generator)
+        out = target.forward(
+            input_ids, cache, positions=positions, tree_mask=tree_mask, hidden_layers=layers, defer_logits=True
+        )
+        # The LM head runs only on the rows verification reads (verify/rows.py), where the model allows it.
+        logits = out.logits[0] if out.logits is not None else target_rows(target, out.final[0], draft)
+        verdict = verify(draft, logits, params, generator)
         # Commit: keep the root's slot and the accepted nodes' slots (node i sits at slot past + 1 + i).
         path = torch.tensor(verdict.path, dtype=torch.long)
         cache.commit(past + 1, past + 1 + path)
@@ -78,3 +83,8 @@ def speculative_decode(
             tokens.append(token)
             yield TokenEvent(token, from_draft=j < verdict.num_accepted)
             emitted += 1
+
+
+def target_rows(target: TargetModel, final: torch.Tensor, draft: Draft) -> TargetRows:
+    """The target's logits for `draft`'s verify rows (final: [N+1, H]), computed as verification reads them."""
+    return TargetRows(final, target.head, draft.children(), target.vocab_size)

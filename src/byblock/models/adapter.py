@@ -21,8 +21,9 @@ from byblock.models.kv_cache import KVCache, StreamingWindow
 class ForwardOutput:
     """Result of one target forward."""
 
-    logits: torch.Tensor  # [B, T_kept, V] float
+    logits: torch.Tensor | None  # [B, T_kept, V] float; None when deferred (then `final` is set)
     hidden: torch.Tensor | None  # [B, T, k*H]: the requested layers' outputs, concatenated; None if none asked
+    final: torch.Tensor | None = None  # [B, T, H]: the last layer's normed states, when logits were deferred
 
 
 def _as_id_set(value: object) -> set[int]:
@@ -62,6 +63,10 @@ class TargetModel:
         self.kv_window: StreamingWindow | None = None  # StreamingLLM sinks + window (models/kv_cache.py)
         self.snapkv = None  # SnapKVState when SnapKV is on (models/snapkv.py)
         self.h2o = None  # H2ORuntime when H2O is on (models/h2o.py)
+        # Whether logits are exactly `head` of the decoder stack's output, so forwards may defer them: None until
+        # the first forward that asks checks it on its own output (a head that scales or soft-caps logits: no).
+        base = getattr(hf_model, "base_model", None)
+        self._defers_logits: bool | None = None if base is not None and base is not hf_model else False
 
     @property
     def row_invariant(self) -> bool:
@@ -170,6 +175,7 @@ class TargetModel:
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         hidden_layers: tuple[int, ...] = (),
+        defer_logits: bool = False,
     ) -> ForwardOutput:
         """Run new tokens through the model, appending their K/V to `cache`.
 
@@ -181,6 +187,9 @@ class TargetModel:
             attention_mask: [B, past+T] 0/1 padding mask for batched prefill/decode (None = no padding).
             logits_to_keep: compute logits for only the last n positions (0 = all).
             hidden_layers: decoder layer indices whose outputs to return (DFlash indexing: layer i -> i+1).
+            defer_logits: return the last layer's normed states (`final`) and no logits, where the model's
+                logits are exactly `head` of them (`defers_logits`); the caller runs `head` on the rows it
+                reads (verify/rows.py). Elsewhere the logits are computed as usual.
         """
         past = cache.length
         bsz, t = input_ids.shape
@@ -208,15 +217,21 @@ class TargetModel:
             visible = torch.ones(t, t, dtype=torch.bool).tril() if tree_mask is None else tree_mask
             self.hf.config.byblock_row_invariance.plan = RowPlan.build(past, visible) if past > 0 else None
         cache.record(positions[0])
-        out = self.hf(
-            input_ids=input_ids,
-            cache=cache.hf,
-            position_ids=positions,
-            attention_mask=mask,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            output_hidden_states=bool(hidden_layers),
-        )
+        kwargs = {"input_ids": input_ids, "cache": cache.hf, "position_ids": positions, "attention_mask": mask}
+        defer = defer_logits and self._defers_logits is True
+        check = defer_logits and self._defers_logits is None
+        if defer:  # the decoder stack alone; the caller applies `head` to the rows it reads
+            out = self.hf.base_model(**kwargs, use_cache=True, output_hidden_states=bool(hidden_layers))
+        else:
+            out = self.hf(
+                **kwargs,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                output_hidden_states=bool(hidden_layers) or check,
+            )
+        if check:  # the last hidden state is the normed one the head reads
+            kept = out.hidden_states[-1][:, -out.logits.shape[1] :]
+            self._defers_logits = bool(torch.equal(self.head(kept), out.logits))
         if self.snapkv is not None and self.snapkv.selections:  # a prefill just chose what to keep
             from byblock.models.snapkv import apply_selection
 
@@ -224,4 +239,11 @@ class TargetModel:
         hidden = None
         if hidden_layers:
             hidden = torch.cat([out.hidden_states[i + 1] for i in hidden_layers], dim=-1)
+        if defer:
+            return ForwardOutput(logits=None, hidden=hidden, final=out.last_hidden_state)
         return ForwardOutput(logits=out.logits, hidden=hidden)
+
+    def head(self, final: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] from the last layer's normed states [..., H] (the output embedding)."""
+        with torch.inference_mode():
+            return self.hf.get_output_embeddings()(final)

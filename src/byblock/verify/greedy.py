@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
-from byblock.verify.types import Draft, Verdict
+from byblock.verify.types import Draft, Rows, Verdict
 
 
 def follow(draft: Draft, choose: Callable[[int], int]) -> Verdict:
@@ -25,19 +23,7 @@ def follow(draft: Draft, choose: Callable[[int], int]) -> Verdict:
         row = nxt + 1
 
 
-def walk(draft: Draft, choice: torch.Tensor) -> Verdict:
-    """Follow the child whose token equals the target's choice at each node; stop where none does.
-
-    choice: [N+1] int64, the target's token at the root (row 0) and after each node (row i+1), e.g. its argmax.
-    Lossless: every emitted token is the target's own choice at its position.
-    """
-    if draft.is_chain:  # fast path: the matching prefix is a cumulative product
-        n = draft.num_nodes
-        a = int((draft.tokens == choice[:n]).long().cumprod(0).sum()) if n else 0
-        return Verdict(path=list(range(a)), tokens=[*draft.tokens[:a].tolist(), int(choice[a])])
-    return follow(draft, choice.tolist().__getitem__)
-
-
-def verify_greedy(draft: Draft, target_logits: torch.Tensor) -> Verdict:
-    """target_logits: [N+1, V]. Greedy acceptance for chains and trees."""
-    return walk(draft, target_logits.argmax(-1))
+def verify_greedy(draft: Draft, target_logits: Rows) -> Verdict:
+    """target_logits: [N+1, V], read row by row (only the rows on the path). Greedy acceptance for chains and
+    trees. Lossless: every emitted token is the target's own argmax at its position."""
+    return follow(draft, lambda row: int(target_logits[row].argmax()))

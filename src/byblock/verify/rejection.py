@@ -7,22 +7,20 @@ p_{k+1}. The emitted tokens are then distributed exactly as if sampled from p on
 
 from __future__ import annotations
 
-import torch
-
-from byblock.verify.types import Draft, Noise, Verdict
+from byblock.verify.types import Draft, Noise, Rows, Verdict
 
 
-def rejection_chain(draft: Draft, p: torch.Tensor, noise: Noise) -> Verdict:
-    """p: [k+1, V] processed target probs; draft.q: [k, V]. Vectorized; equals reference_rejection."""
+def rejection_chain(draft: Draft, p: Rows, noise: Noise) -> Verdict:
+    """p: processed target probs, row-indexable [k+1, V] (a tensor, or rows computed on first read);
+    draft.q: [k, V]. Reads only rows 0..a (a = accepted); equals reference_rejection."""
     assert draft.q is not None and draft.is_chain
-    x = draft.tokens  # [k]
-    k = x.numel()
-    rows = torch.arange(k)
-    px = p[rows, x]  # [k]  p_i(x_i)
-    qx = draft.q[rows, x]  # [k]  q_i(x_i)
+    x = draft.tokens.tolist()  # [k]
+    k = len(x)
+    u = noise.u.tolist()  # [k]
+    a = 0
     # u < p/q  <=>  u*q < p  (no division: q(x) > 0 for a sampled x, but be safe with 0/0)
-    accepted = noise.u * qx < px  # [k]
-    a = int(accepted.long().cumprod(0).sum())
+    while a < k and u[a] * float(draft.q[a, x[a]]) < float(p[a][x[a]]):
+        a += 1
     if a < k:
         residual = (p[a] - draft.q[a]).clamp_min(0)  # [V]
         if float(residual.sum()) <= 0:  # p == q at this row: rejection had probability 0; fall back to p
@@ -30,4 +28,4 @@ def rejection_chain(draft: Draft, p: torch.Tensor, noise: Noise) -> Verdict:
         last = int((residual / noise.exp_row(a)).argmax())
     else:
         last = int((p[k] / noise.exp_row(k)).argmax())
-    return Verdict(path=list(range(a)), tokens=[*x[:a].tolist(), last])
+    return Verdict(path=list(range(a)), tokens=[*x[:a], last])

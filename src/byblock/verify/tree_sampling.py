@@ -9,17 +9,15 @@ N+1: with top-p each processed row is a sort of the whole vocabulary.
 
 from __future__ import annotations
 
-import torch
-
 from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import process_logits
 from byblock.verify.greedy import follow
-from byblock.verify.types import Draft, Noise, Verdict
+from byblock.verify.types import Draft, Noise, Rows, Verdict
 
 
-def walk_sampled(draft: Draft, target_logits: torch.Tensor, params: SamplingParams, noise: Noise) -> Verdict:
-    """target_logits: [N+1, V] (row 0 = root, row i+1 = node i), processed row by row as the walk reaches
-    them. Equals reference_tree_sampling on process_logits(target_logits, params)."""
+def walk_sampled(draft: Draft, target_logits: Rows, params: SamplingParams, noise: Noise) -> Verdict:
+    """target_logits: [N+1, V] (row 0 = root, row i+1 = node i), read and processed row by row as the walk
+    reaches them. Equals reference_tree_sampling on process_logits(target_logits, params)."""
 
     def sample_row(row: int) -> int:
         p = process_logits(target_logits[row], params)  # [V]

@@ -14,8 +14,16 @@ Target logits row 0 scores the root (predicts depth-1 tokens); row i+1 scores no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+
+class Rows(Protocol):
+    """Per-row target scores [N+1, ...] (row 0 = root, row i+1 = node i): a tensor, or rows computed when
+    first read (verify/rows.py). Verification reads rows one at a time, only those on its path."""
+
+    def __getitem__(self, row: int) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
