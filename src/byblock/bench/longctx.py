@@ -19,8 +19,6 @@ import torch
 
 from byblock.errors import ByblockError
 
-DEFAULT_SETTINGS = "dense,stem:0.75,int8,int4,window:4+512,snapkv:256,h2o:128+128"
-
 
 class LongKind(Enum):
     """The long-prompt technique a setting applies."""

@@ -67,8 +67,8 @@ def terminal_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def markdown(report: dict) -> str:
-    """The markdown report: context, the main table, per-position acceptance."""
+def markdown(report: dict, per_position: bool = True) -> str:
+    """The markdown report: context, the main table, per-position acceptance (unless `per_position` is off)."""
     p = report["params"]
     out = [
         f"Command: `{report['command']}`  ",
@@ -88,7 +88,7 @@ def markdown(report: dict) -> str:
             if row["per_position_acceptance"]:
                 acc = " ".join(f"{a:.2f}" for a in row["per_position_acceptance"])
                 pos_lines.append(f"| {ds} | {name} | {acc} |")
-    if pos_lines:
+    if pos_lines and per_position:
         out += ["", "Per-position acceptance (P(depth d accepted | drafted to d), d = 1, 2, …):", ""]
         out += ["| dataset | method | d = 1 … |", "|---|---|---|", *pos_lines]
     return "\n".join(out) + "\n"
@@ -195,6 +195,6 @@ def write_table_report(out: str | None, report: dict, table: str, results_md: st
     return out_dir
 
 
-def update_results(results_md: Path, section: str, report: dict) -> None:
-    """Write a bench report's markdown into its section of RESULTS.md."""
-    replace_section(results_md, section, markdown(report))
+def update_results(results_md: Path, section: str, report: dict, per_position: bool = True) -> None:
+    """Write a bench report's markdown into its section of RESULTS.md (or any markdown file with the markers)."""
+    replace_section(results_md, section, markdown(report, per_position))

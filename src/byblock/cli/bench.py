@@ -2,6 +2,7 @@
 
     byblock bench --methods ar,ngram,dflash,ddtree@16,hf --dataset dev,humaneval --limit 10
     byblock bench --quick                       # ~2 minutes on the default model
+    byblock bench --suite headline              # the README's table, ~10 minutes on a 2-core CPU
 
 Writes report.json, report.md and PNG plots to --out, prints a table, and ends stdout with one JSON line.
 """
@@ -18,7 +19,17 @@ from pathlib import Path
 from byblock.cli.dtype_args import add_dtype_args, relayout, row_invariant
 from byblock.models.registry import DEFAULT_MODEL
 
-QUICK = {"methods": "ar,ngram,dflash,ddtree", "dataset": "dev,humaneval", "limit": 3, "max_new_tokens": 64}
+# Named runs: fixed methods, datasets and sizes, so that two machines' tables compare. The dev prompts are the
+# packaged subset (bench/data), so a suite needs nothing beside the installed package.
+SUITES = {
+    "quick": {"methods": "ar,ngram,dflash,ddtree", "dataset": "dev,humaneval", "limit": 3, "max_new_tokens": 64},
+    "headline": {
+        "methods": "ar,ngram,dflash@16,ddtree@16,adaptive-hybrid@31",
+        "dataset": "dev,humaneval",
+        "limit": 8,
+        "max_new_tokens": 128,
+    },
+}
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +38,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_dtype_args(parser)
     parser.add_argument("--methods", default="ar,ngram,dflash", help="comma list; see byblock/bench/methods.py")
     parser.add_argument("--dataset", default="dev", help="comma list of dev | humaneval | PATH.jsonl, or passkey")
-    parser.add_argument("--dataset-path", default=None, help="where the dev prompts live (default: shared data)")
+    parser.add_argument(
+        "--dataset-path",
+        default=None,
+        help="dev prompts JSONL (default: $BYBLOCK_DEV_PROMPTS, else the 64 shipped with byblock)",
+    )
     parser.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -36,8 +51,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", default="ar", help="the method speedups are relative to")
     parser.add_argument("--out", default=None, help="report directory (default bench-out/<timestamp>)")
     parser.add_argument("--no-plots", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="a ~2-minute run on the default model")
-    parser.add_argument("--update-results", default=None, help="RESULTS.md to update (with --section)")
+    parser.add_argument("--quick", action="store_true", help="a ~2-minute run on the default model (--suite quick)")
+    parser.add_argument(
+        "--suite",
+        default=None,
+        choices=sorted(SUITES),
+        help="a named run that sets --methods, --dataset, --limit and --max-new-tokens (headline: the README's table)",
+    )
+    parser.add_argument(
+        "--update-results",
+        default=None,
+        help="markdown file(s) to update, comma-separated (e.g. README.md,benchmarks/RESULTS.md; with --section)",
+    )
     parser.add_argument("--section", default=None, help="section name inside --update-results")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     from byblock.cli.sparse_args import add_sparse_args
@@ -110,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
     """Build every method once, run the interleaved loop, write the reports."""
     from tqdm import tqdm
 
+    from byblock.extras import require
+
+    if not args.no_plots:
+        require("bench", "byblock bench's plots (or pass --no-plots)", ("matplotlib",))
+
     from byblock.dllm.loading import is_dllm_checkpoint
 
     if is_dllm_checkpoint(args.model):
@@ -126,9 +156,11 @@ def run(args: argparse.Namespace) -> int:
     from byblock.models.loading import load_model
     from byblock.sampling.params import SamplingParams
 
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
+    if args.quick and args.suite not in (None, "quick"):
+        raise ByblockError("--quick is --suite quick; pass one of them")
+    suite = "quick" if args.quick else args.suite
+    for k, v in SUITES.get(suite, {}).items():
+        setattr(args, k, v)
     if bool(args.update_results) != bool(args.section):
         raise ByblockError("--update-results and --section go together")
     params = SamplingParams(
@@ -189,8 +221,9 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
     out_dir = Path(args.out or f"bench-out/{datetime.datetime.now():%Y%m%d-%H%M%S}")
     write_all(report, out_dir, plots=not args.no_plots)
-    if args.update_results:
-        update_results(Path(args.update_results), args.section, report)
+    for results_md in (args.update_results or "").split(","):
+        if results_md:
+            update_results(Path(results_md), args.section, report, per_position=suite != "headline")
     print(terminal_table(report))
     greedy = params.greedy
     summary = {

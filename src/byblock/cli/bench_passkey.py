@@ -15,11 +15,11 @@ import sys
 
 from byblock.errors import ByblockError
 
+DEFAULT_SETTINGS = "dense,stem:0.75,int8,int4,window:4+512,snapkv:256,h2o:128+128"
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     """Flags used only with --dataset passkey."""
-    from byblock.bench.longctx import DEFAULT_SETTINGS
-
     g = parser.add_argument_group("long-context probe (--dataset passkey)")
     g.add_argument(
         "--settings",

@@ -6,8 +6,6 @@ import argparse
 import json
 import sys
 
-import torch
-
 from byblock.errors import ByblockError
 
 
@@ -78,6 +76,8 @@ def run_dllm(args: argparse.Namespace) -> int:
         ids = tok(text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ByblockError("the prompt is empty after tokenization")
+    import torch
+
     with torch.inference_mode():
         res = diffusion_generate(loaded.denoiser, ids, cfg, loaded.eos_token_ids)
     out_ids = [t for t in res.token_ids if t not in loaded.eos_token_ids]

@@ -36,7 +36,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=300.0, help="seconds per level before no new requests")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--dataset-path", default=None, help="prompts JSONL (default: the dev prompts)")
+    parser.add_argument(
+        "--dataset-path",
+        default=None,
+        help="prompts JSONL (default: $BYBLOCK_DEV_PROMPTS, else the 64 dev prompts shipped with byblock)",
+    )
     parser.add_argument("--limit", type=int, default=32, help="distinct prompts used")
     parser.add_argument("--out", default=None, help="write load.json here")
     parser.add_argument("--update-results", default=None, help="RESULTS.md to update (with --section)")
@@ -45,6 +49,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run every level, print a table, optionally write JSON and a RESULTS.md section."""
+    from byblock.extras import require
+
+    require("serve", "byblock loadgen", ("httpx",))
     import httpx
 
     from byblock.bench.datasets import load_dev

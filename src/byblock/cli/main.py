@@ -26,22 +26,33 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every subcommand's flags."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; only `command`'s module is imported to add its flags (None: names only).
+
+    `byblock --help` and `byblock --version` therefore import no subcommand module, hence no torch.
+    """
     parser = OneLineParser(prog="byblock", description="Block-parallel LLM decoding, lossless.")
     parser.add_argument("--version", action="version", version=f"byblock {__version__}")
     subs = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name, help_text in SUBCOMMANDS.items():
         sub = subs.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(f"byblock.cli.{name}").add_args(sub)
+        if name == command:
+            importlib.import_module(f"byblock.cli.{name}").add_args(sub)
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand argv names: its first positional argument (top-level flags take no values)."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in SUBCOMMANDS else None
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `byblock` console script."""
     from byblock.errors import ByblockError
 
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_of(argv))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -56,6 +56,9 @@ def _check_port(host: str, port: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load, build the app, serve until interrupted."""
+    from byblock.extras import require
+
+    require("serve", "byblock serve")
     import uvicorn
 
     from byblock.server.app import ServerConfig, create_app
