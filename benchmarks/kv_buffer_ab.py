@@ -1,4 +1,4 @@
-"""Target forward cost, transformers' cache and SDPA backend vs byblock's (models/kv_buffer.py, gqa_sdpa.py).
+"""Target forward cost, transformers' cache and SDPA backend vs byblock's (kv/kv_buffer.py, gqa_sdpa.py).
 
 Two copies of the same model in one process: "old" appends K/V by concatenation (DynamicLayer) and attends with
 transformers' `sdpa` backend (repeat_kv under a mask); "new" is what load_model gives (preallocated buffer, GQA
@@ -24,7 +24,7 @@ from byblock import SamplingParams, load_model
 from byblock.bench.datasets import load_dev
 from byblock.bench.hardware import describe_machine
 from byblock.bench.methods import MethodRunner, MethodSpec
-from byblock.models.kv_cache import KVCache
+from byblock.kv.kv_cache import KVCache
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from byblock.models.invariant import NAME, RowInvariantLinear, RowPlan
+from byblock.kernels.invariant import NAME, RowInvariantLinear, RowPlan
 from byblock.models.loading import load_model
 
 

@@ -3,7 +3,7 @@
 Two measurements, one thread: (1) one SmolLM2 MLP-shaped linear (576 -> 1536, fp32, in cache) and the LM head
 (576 -> 49152, 113 MB, streamed from memory) at m = 1..32 rows: time per call for `F.linear` (weights [out, in]),
 `x @ W_t` (weights [in, out], byblock's fp32 layout before session 11) and byblock's packed-panel kernel
-(models/packed_gemm.py); (2) the whole target, one forward over k new tokens after a 90-token prompt (the cache
+(kernels/packed_gemm.py); (2) the whole target, one forward over k new tokens after a 90-token prompt (the cache
 is cropped back after each call), median ms and the ratio to k = 1 (the round cost of a k−1 token chain before
 drafting), with the [in, out] linears and with the packed ones.
 
@@ -18,9 +18,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from byblock.models.cpu_features import native_bf16
+from byblock.kernels.cpu_features import native_bf16
+from byblock.kernels.packed_gemm import PackedLinear, load_kernel
 from byblock.models.loading import load_model
-from byblock.models.packed_gemm import PackedLinear, load_kernel
 
 
 def per_call_s(fn, repeats: int) -> float:

@@ -1,10 +1,10 @@
-"""CPU feature detection behind the bf16 defaults (models/cpu_features.py)."""
+"""CPU feature detection behind the bf16 defaults (kernels/cpu_features.py)."""
 
 from __future__ import annotations
 
 from tiny import save_checkpoint
 
-from byblock.models.cpu_features import cpu_flags, native_bf16
+from byblock.kernels.cpu_features import cpu_flags, native_bf16
 
 
 def _cpuinfo(tmp_path, flags: str):

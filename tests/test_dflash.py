@@ -131,7 +131,7 @@ def test_reference_implementation_gives_equal_draft_logits(tmp_path, tiny_target
 def test_packed_target_and_drafter_are_lossless(monkeypatch):
     """fp32 on byblock's packed GEMM (the default load for fp32): the target's linears, the drafter's layers
     and its restricted LM head all on the kernel; greedy output equals plain decoding on the same target."""
-    from byblock.models.packed_gemm import PackedLinear, load_kernel, pack_linears
+    from byblock.kernels.packed_gemm import PackedLinear, load_kernel, pack_linears
 
     target = make_target("llama", packed=True)
     model = make_dflash(target, block=8)

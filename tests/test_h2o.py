@@ -15,7 +15,7 @@ from byblock.drafters.ngram import NgramConfig, NgramDrafter
 from byblock.engine.api import generate
 from byblock.engine.spec_loop import speculative_decode
 from byblock.engine.types import SpecStats
-from byblock.models.h2o import H2OConfig, HeadState, enable_h2o, evict, h2o_nodes, prefill_scores
+from byblock.kv.h2o import H2OConfig, HeadState, enable_h2o, evict, h2o_nodes, prefill_scores
 from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import process_logits
 

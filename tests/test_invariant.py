@@ -1,4 +1,4 @@
-"""Row-invariant bf16 inference (models/invariant.py): a token's logits are bitwise the same whether it is
+"""Row-invariant bf16 inference (kernels/invariant.py): a token's logits are bitwise the same whether it is
 decoded alone or inside a verify block (chain or tree), so bf16 speculative decoding is token-identical."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tiny import ARCHS, make_target, save_checkpoint
 
 from byblock import SamplingParams, generate
 from byblock.drafters import NgramConfig, NgramDrafter
-from byblock.models.invariant import RowInvariance, RowInvariantLinear, RowPlan, invariant_attention_forward
+from byblock.kernels.invariant import RowInvariance, RowInvariantLinear, RowPlan, invariant_attention_forward
 from byblock.models.loading import load_model
 
 BF16 = torch.bfloat16
@@ -266,7 +266,7 @@ def test_real_chain_block_bitwise_equal_single_rows():
 
 def test_row_sums_do_not_depend_on_the_row_count():
     """The denominator's GEMM on real softmax weights: a row's sum has the same bits among 2 … 192 rows."""
-    from byblock.models.invariant import _row_sums
+    from byblock.kernels.invariant import _row_sums
 
     t = load_file(str(DATA / "smollm2_layer12_chain.safetensors"))
     q, k = t["query"].reshape(1, 3, -1, 64), t["key"]
@@ -287,7 +287,7 @@ def test_default_model_bf16_trees_token_identical():
     tokens on the HumanEval prompt whose DDTree verify first exposed the zero-weight-key problem."""
     from byblock.bench.datasets import load_humaneval
     from byblock.drafters import DrafterSpec, build_drafter
-    from byblock.models.cpu_features import native_bf16
+    from byblock.kernels.cpu_features import native_bf16
 
     target = real_model_or_skip(dtype="bfloat16")
     ids = target.encode_prompt(load_humaneval(4)[3].user_turns[0], chat=False)
@@ -302,8 +302,8 @@ def test_default_model_bf16_trees_token_identical():
 
 
 def test_probe_row_invariance_passes_on_a_tiny_bf16_model():
-    """The load-time probe (models/invariant.py) finds the rules holding on this CPU for a bf16 target."""
-    from byblock.models.invariant import probe_row_invariance
+    """The load-time probe (kernels/invariant.py) finds the rules holding on this CPU for a bf16 target."""
+    from byblock.kernels.invariant import probe_row_invariance
 
     assert probe_row_invariance(bf16_target("llama").hf) == ()
 
@@ -311,7 +311,7 @@ def test_probe_row_invariance_passes_on_a_tiny_bf16_model():
 def test_probe_row_invariance_reports_a_row_count_dependent_linear(monkeypatch):
     """A linear whose rows depend on the row count is reported (one line per shape); the attention checks
     still pass."""
-    from byblock.models import invariant
+    from byblock.kernels import invariant
 
     def linear(x, w, b=None):  # a kernel that switches at 3 rows and sums differently
         return F.linear(x, w, b) + (x.shape[-2] > 2)

@@ -7,8 +7,8 @@ import torch
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from byblock.models.gqa_sdpa import gqa_sdpa_attention_forward
-from byblock.models.kv_buffer import BufferedLayer
+from byblock.kernels.gqa_sdpa import gqa_sdpa_attention_forward
+from byblock.kv.kv_buffer import BufferedLayer
 
 
 def _same(a: BufferedLayer, b: DynamicLayer) -> None:

@@ -9,8 +9,8 @@ from tiny import make_dflash, make_target
 from byblock.drafters.dflash import DFlashDrafter
 from byblock.drafters.ngram import NgramConfig, NgramDrafter
 from byblock.engine.api import generate
-from byblock.models.kv_cache import KVCache
-from byblock.models.kv_quant import dequantize, quantize
+from byblock.kv.kv_cache import KVCache
+from byblock.kv.kv_quant import dequantize, quantize
 from byblock.sampling.params import SamplingParams
 
 

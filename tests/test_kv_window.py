@@ -10,7 +10,7 @@ from byblock.drafters.ddtree import DDTreeDrafter
 from byblock.drafters.dflash import DFlashDrafter
 from byblock.drafters.ngram import NgramConfig, NgramDrafter
 from byblock.engine.api import generate
-from byblock.models.kv_cache import StreamingWindow
+from byblock.kv.kv_cache import StreamingWindow
 from byblock.sampling.params import SamplingParams
 
 PROMPT = "The quick brown fox jumps over the lazy dog. def add(a, b): return a + b"

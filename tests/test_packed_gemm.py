@@ -1,4 +1,4 @@
-"""byblock's packed fp32 GEMM (models/csrc/packed_gemm.cpp) against its dense reference, F.linear in fp64."""
+"""byblock's packed fp32 GEMM (kernels/csrc/packed_gemm.cpp) against its dense reference, F.linear in fp64."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from byblock.models import packed_gemm
-from byblock.models.packed_gemm import PackedLinear, load_kernel, pack_linears
+from byblock.kernels import packed_gemm
+from byblock.kernels.packed_gemm import PackedLinear, load_kernel, pack_linears
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_pack_linears_replaces_only_fp32_linears(kernel):
 
 
 def test_load_model_packs_fp32_by_default(kernel, tiny_llama_dir):
-    from byblock.models.fast_linear import InOutLinear
+    from byblock.kernels.fast_linear import InOutLinear
     from byblock.models.loading import load_model
 
     packed = load_model(str(tiny_llama_dir))

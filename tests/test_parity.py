@@ -36,7 +36,7 @@ def test_default_model_matches_hf_generate():
 
 
 def test_relayout_linear_matches_nn_linear():
-    from byblock.models.fast_linear import InOutLinear
+    from byblock.kernels.fast_linear import InOutLinear
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(48, 96, bias=True)
@@ -52,7 +52,7 @@ def test_relayout_model_greedy_unchanged(arch):
     """The re-laid-out model decodes the same tokens as the original on the tiny models."""
     from tiny import make_target
 
-    from byblock.models.fast_linear import relayout_linears
+    from byblock.kernels.fast_linear import relayout_linears
 
     target = make_target(arch)
     ids = target.encode_prompt("def add(a, b):", chat=True)
@@ -63,7 +63,7 @@ def test_relayout_model_greedy_unchanged(arch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dual_layout_linear_matches_nn_linear_in_both_regimes(dtype):
-    from byblock.models.fast_linear import DualLayoutLinear, dual_layout_linears
+    from byblock.kernels.fast_linear import DualLayoutLinear, dual_layout_linears
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(48, 96, bias=True).to(dtype)
@@ -79,7 +79,7 @@ def test_dual_layout_linear_matches_nn_linear_in_both_regimes(dtype):
 def test_dual_layout_model_greedy_unchanged():
     from tiny import make_target
 
-    from byblock.models.fast_linear import dual_layout_linears
+    from byblock.kernels.fast_linear import dual_layout_linears
 
     target = make_target("qwen3")
     ids = target.encode_prompt("def add(a, b):", chat=True)

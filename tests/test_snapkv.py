@@ -9,7 +9,7 @@ from tiny import make_dflash, make_target
 from byblock.drafters.dflash import DFlashDrafter
 from byblock.drafters.ngram import NgramConfig, NgramDrafter
 from byblock.engine.api import generate
-from byblock.models.snapkv import SnapKVConfig, enable_snapkv, select_positions
+from byblock.kv.snapkv import SnapKVConfig, enable_snapkv, select_positions
 from byblock.sampling.params import SamplingParams
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6 + "def add(a, b): return a + b"
@@ -51,9 +51,9 @@ def test_sliding_window_models_are_refused():
 
 
 def test_per_head_path_equals_the_sdpa_path():
-    """The per-head path (models/h2o.py, used on sliding-window models) is a second SnapKV implementation:
+    """The per-head path (kv/h2o.py, used on sliding-window models) is a second SnapKV implementation:
     on a model without sliding layers both must decode the same tokens with the same logits."""
-    from byblock.models.h2o import enable_h2o
+    from byblock.kv.h2o import enable_h2o
 
     cfg = SnapKVConfig(budget=16, window=8, pool=3)
     fast, slow = make_target("qwen3"), make_target("qwen3")
@@ -74,7 +74,7 @@ def test_per_head_path_equals_the_sdpa_path():
 def test_sliding_window_models_run_snapkv_per_head():
     from lossless import NoisyOracleDrafter
 
-    from byblock.models.snapkv import enable_snapkv_on
+    from byblock.kv.snapkv import enable_snapkv_on
 
     target = make_target("gemma3")
     enable_snapkv_on(target, SnapKVConfig(budget=16, window=8, pool=3))

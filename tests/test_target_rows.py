@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from byblock.models.kv_cache import KVCache
+from byblock.kv.kv_cache import KVCache
 from byblock.sampling.params import SamplingParams
 from byblock.verify import Draft, TargetRows, verify
 from byblock.verify.rows import FIRST_ROWS

@@ -107,8 +107,8 @@ def make_target(
 ):
     """A TargetModel over a tiny random model with the tiny tokenizer (optionally bf16 + row-invariant, or
     fp32 on byblock's packed GEMM as load_model sets it up)."""
+    from byblock.kernels.invariant import enable_row_invariance
     from byblock.models.adapter import TargetModel
-    from byblock.models.invariant import enable_row_invariance
 
     tok = make_tokenizer(vocab_size)
     model = make_hf_model(arch, len(tok), seed, **overrides).to(dtype)
@@ -116,7 +116,7 @@ def make_target(
     if row_invariant:
         enable_row_invariance(model)
     if packed:
-        from byblock.models.packed_gemm import load_kernel, pack_linears
+        from byblock.kernels.packed_gemm import load_kernel, pack_linears
 
         kernel = load_kernel()
         if kernel is None:

@@ -66,7 +66,7 @@ def load_puzzles(path: Path, limit: int) -> list[tuple[str, str]]:
 @torch.inference_mode()
 def roofline(hf_model, prompt_len: int, sizes: tuple[int, ...] = (1, 8, 16, 32, 64), repeats: int = 20) -> dict:
     """Seconds of one forward of k new tokens over a cached prompt, and its ratio to k = 1 (one AR step)."""
-    from byblock.models.kv_cache import KVCache
+    from byblock.kv.kv_cache import KVCache
 
     vocab = hf_model.config.vocab_size
     prompt = torch.randint(0, vocab, (1, prompt_len))

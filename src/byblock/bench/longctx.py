@@ -75,7 +75,7 @@ def apply_setting(model, setting: LongSetting, stem_base, snap_window: int) -> N
     """Switch a freshly loaded TargetModel to `setting` (stem_base: a StemConfig whose sparsity is replaced)."""
     from dataclasses import replace
 
-    from byblock.models.kv_cache import StreamingWindow
+    from byblock.kv.kv_cache import StreamingWindow
 
     kind = setting.kind
     try:
@@ -88,11 +88,11 @@ def apply_setting(model, setting: LongSetting, stem_base, snap_window: int) -> N
         elif kind is LongKind.WINDOW:
             model.kv_window = StreamingWindow(int(setting.a), setting.b)
         elif kind is LongKind.SNAPKV:
-            from byblock.models.snapkv import SnapKVConfig, enable_snapkv_on
+            from byblock.kv.snapkv import SnapKVConfig, enable_snapkv_on
 
             enable_snapkv_on(model, SnapKVConfig(budget=int(setting.a), window=snap_window))
         elif kind is LongKind.H2O:
-            from byblock.models.h2o import H2OConfig, enable_h2o
+            from byblock.kv.h2o import H2OConfig, enable_h2o
 
             model.h2o = enable_h2o(model.hf, H2OConfig(heavy=int(setting.a), recent=setting.b))
     except ValueError as e:

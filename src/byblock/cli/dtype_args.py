@@ -13,13 +13,13 @@ def add_dtype_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "packed", "library"],
         help="fp32 linear kernels: byblock's packed GEMM (compiled on first use; fast at any row count and "
-        "row-invariant), PyTorch's library kernels, or auto (packed where it builds; models/packed_gemm.py)",
+        "row-invariant), PyTorch's library kernels, or auto (packed where it builds; kernels/packed_gemm.py)",
     )
     parser.add_argument(
         "--no-row-invariance",
         action="store_true",
         help="bf16: plain kernels instead of row-invariant ones (~10%% faster verify forwards, but speculative "
-        "output may then differ from plain decoding at near-ties; models/invariant.py)",
+        "output may then differ from plain decoding at near-ties; kernels/invariant.py)",
     )
 
 

@@ -46,14 +46,14 @@ def stem_config(args: argparse.Namespace, sparsity: float):
 def enable_sparse(model, args: argparse.Namespace):
     """Apply --kv-quant; switch the model to Stem prefill when --sparse stem (returns its density log, else None)."""
     from byblock.errors import ByblockError
-    from byblock.models.kv_cache import StreamingWindow
+    from byblock.kv.kv_cache import StreamingWindow
 
     model.kv_bits = {"none": None, "int8": 8, "int4": 4}[args.kv_quant]
     if args.kv_window < 0 or args.kv_sinks < 0:
         raise ByblockError("--kv-window and --kv-sinks must be >= 0")
     model.kv_window = StreamingWindow(args.kv_sinks, args.kv_window) if args.kv_window else None
     if args.kv_snap:
-        from byblock.models.snapkv import SnapKVConfig, enable_snapkv_on
+        from byblock.kv.snapkv import SnapKVConfig, enable_snapkv_on
 
         if args.sparse != "none" or model.kv_bits or model.kv_window:
             raise ByblockError("--kv-snap does not combine with --sparse, --kv-quant or --kv-window yet")
@@ -62,7 +62,7 @@ def enable_sparse(model, args: argparse.Namespace):
         except ValueError as e:
             raise ByblockError(str(e)) from None
     if args.kv_h2o:
-        from byblock.models.h2o import H2OConfig, enable_h2o
+        from byblock.kv.h2o import H2OConfig, enable_h2o
 
         if args.sparse != "none" or model.kv_bits or model.kv_window or args.kv_snap:
             raise ByblockError("--kv-h2o does not combine with --sparse, --kv-quant, --kv-window or --kv-snap yet")

@@ -21,7 +21,7 @@ from dataclasses import fields
 from enum import Enum
 from pathlib import Path
 
-from byblock.models.cpu_features import native_bf16
+from byblock.kernels.cpu_features import native_bf16
 from byblock.models.registry import DEFAULT_MODEL
 
 

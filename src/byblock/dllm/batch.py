@@ -22,7 +22,7 @@ from byblock.dllm.denoisers import MaskDenoiser
 from byblock.dllm.generate import DllmResult, check_sampler
 from byblock.dllm.low_confidence import transfer_schedule
 from byblock.dllm.mask_step import make_rule, propose
-from byblock.models.kv_cache import KVCache
+from byblock.kv.kv_cache import KVCache
 from byblock.sampling.processors import make_generator
 
 

@@ -22,7 +22,7 @@ import torch
 
 from byblock.dllm.config import CacheMode
 from byblock.errors import ByblockError
-from byblock.models.kv_cache import KVCache
+from byblock.kv.kv_cache import KVCache
 
 
 class Session(Protocol):

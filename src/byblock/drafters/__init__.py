@@ -43,7 +43,7 @@ class DrafterSpec:
     model: str | None = None  # MODEL: a model id; DFLASH: a checkpoint dir (None: the shipped one)
     block_size: int | None = None  # tokens per verify forward (anchor + B-1 drafts); None: the drafter's default
     num_candidates: int = 1
-    tree_budget: int = 31  # + the root = 32 verify rows: one linear pass (models/invariant.py ROW_CHUNK)
+    tree_budget: int = 31  # + the root = 32 verify rows: one linear pass (kernels/invariant.py ROW_CHUNK)
     ngram_min: int = 1
     ngram_max: int = 3
     adaptive: bool = False  # dflash/ddtree: pick depth/budget per round from measured costs (drafters/adaptive.py)
@@ -136,14 +136,14 @@ def shipped_dflash_dir(target_name: str) -> Path:
 def build_dflash(spec: DrafterSpec, target: TargetModel, dtype: str = "float32") -> DFlashDrafter:
     """A DFlash drafter from a checkpoint dir (or the one shipped for the target), in the target's dtype."""
     from byblock.drafters.dflash_format import load_dflash
+    from byblock.kernels.packed_gemm import PackedLinear, pack_linears
     from byblock.models.loading import DTYPES
-    from byblock.models.packed_gemm import PackedLinear, pack_linears
 
     path = Path(spec.model).expanduser() if spec.model else shipped_dflash_dir(target.name)
     model, vocab = load_dflash(path, dtype=DTYPES.get(dtype, torch.float32))
     head = target.hf.get_output_embeddings()
     if isinstance(head, PackedLinear) and next(model.parameters()).dtype == torch.float32:
-        pack_linears(model, head.kernel)  # the drafter follows the target's fp32 kernels (models/packed_gemm.py)
+        pack_linears(model, head.kernel)  # the drafter follows the target's fp32 kernels (kernels/packed_gemm.py)
     return DFlashDrafter(model, target, block=spec.block_size, draft_vocab=vocab)
 
 

@@ -60,13 +60,13 @@ from byblock.drafters.ddtree import build_tree, tree_logp
 from byblock.drafters.dflash import DFlashDrafter
 from byblock.drafters.hybrid import merge_trees
 from byblock.drafters.ngram import NgramDrafter
+from byblock.kv.kv_cache import KVCache
 from byblock.models.adapter import TargetModel
-from byblock.models.kv_cache import KVCache
 from byblock.sampling.params import SamplingParams
 from byblock.verify.rows import FIRST_ROWS
 from byblock.verify.types import Draft, Verdict
 
-# both sides of each ROW_CHUNK boundary (models/invariant.py): 33 rows cost a second linear pass, a step that
+# both sides of each ROW_CHUNK boundary (kernels/invariant.py): 33 rows cost a second linear pass, a step that
 # interpolating between 32 and 48 would smear out
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64, 65)
 EXPLORE_EVERY = 8

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from byblock.drafters.dflash_model import DFlashDraftModel
 from byblock.errors import ByblockError
+from byblock.kernels.packed_gemm import PackedLinear
 from byblock.models.adapter import TargetModel
-from byblock.models.packed_gemm import PackedLinear
 from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import process_logits, sample
 from byblock.verify.types import Draft, Verdict
@@ -52,7 +52,7 @@ class DFlashDrafter:
         """dtype: run the drafter in this dtype (bf16: both weight layouts, bf16 GEMMs for the block rows)."""
         check_compatible(model, target)
         if dtype is not None and dtype != next(model.parameters()).dtype:
-            from byblock.models.fast_linear import dual_layout_linears
+            from byblock.kernels.fast_linear import dual_layout_linears
 
             model = model.to(dtype)
             dual_layout_linears(model)

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from byblock.models.h2o import H2OState, tree_parents
-from byblock.models.invariant import NAME as INVARIANT_ATTENTION
-from byblock.models.invariant import RowPlan
-from byblock.models.kv_cache import KVCache, StreamingWindow
+from byblock.kernels.invariant import NAME as INVARIANT_ATTENTION
+from byblock.kernels.invariant import RowPlan
+from byblock.kv.h2o import H2OState, tree_parents
+from byblock.kv.kv_cache import KVCache, StreamingWindow
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,10 @@ class TargetModel:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.dtype: torch.dtype = next(hf_model.parameters()).dtype
-        self.kv_bits: int | None = None  # 8 / 4: int8 / int4 KV cache (models/kv_quant.py)
-        self.kv_window: StreamingWindow | None = None  # StreamingLLM sinks + window (models/kv_cache.py)
-        self.snapkv = None  # SnapKVState when SnapKV is on (models/snapkv.py)
-        self.h2o = None  # H2ORuntime when H2O is on (models/h2o.py)
+        self.kv_bits: int | None = None  # 8 / 4: int8 / int4 KV cache (kv/kv_quant.py)
+        self.kv_window: StreamingWindow | None = None  # StreamingLLM sinks + window (kv/kv_cache.py)
+        self.snapkv = None  # SnapKVState when SnapKV is on (kv/snapkv.py)
+        self.h2o = None  # H2ORuntime when H2O is on (kv/h2o.py)
         # Whether logits are exactly `head` of the decoder stack's output, so forwards may defer them: None until
         # the first forward that asks checks it on its own output (a head that scales or soft-caps logits: no).
         base = getattr(hf_model, "base_model", None)
@@ -70,7 +70,7 @@ class TargetModel:
 
     @property
     def row_invariant(self) -> bool:
-        """Whether decode/verify forwards run the row-invariant kernels (models/invariant.py) — not when
+        """Whether decode/verify forwards run the row-invariant kernels (kernels/invariant.py) — not when
         another attention function (Stem, H2O, SnapKV) has replaced them since."""
         cfg = self.hf.config
         return hasattr(cfg, "byblock_row_invariance") and cfg._attn_implementation == INVARIANT_ATTENTION
@@ -207,13 +207,13 @@ class TargetModel:
             mask = self.tree_attention_mask(past, positions[0], causal, cache.pos, cache.window)
         elif tree_mask is not None:
             mask = self.tree_attention_mask(past, positions[0], tree_mask, cache.pos)
-        if self.h2o is not None:  # the H2O attention function walks the new tokens itself (models/h2o.py)
+        if self.h2o is not None:  # the H2O attention function walks the new tokens itself (kv/h2o.py)
             if cache.h2o is not None and (bsz != 1 or attention_mask is not None):
                 raise ValueError("an H2O cache decodes one sequence at a time")
             self.h2o.active = cache.h2o
             self.h2o.positions = positions[0]
             self.h2o.parents = tree_parents(tree_mask) if tree_mask is not None else None
-        if self.row_invariant:  # models/invariant.py: how each row splits its keys, for every layer
+        if self.row_invariant:  # kernels/invariant.py: how each row splits its keys, for every layer
             visible = torch.ones(t, t, dtype=torch.bool).tril() if tree_mask is None else tree_mask
             self.hf.config.byblock_row_invariance.plan = RowPlan.build(past, visible) if past > 0 else None
         cache.record(positions[0])
@@ -233,7 +233,7 @@ class TargetModel:
             kept = out.hidden_states[-1][:, -out.logits.shape[1] :]
             self._defers_logits = bool(torch.equal(self.head(kept), out.logits))
         if self.snapkv is not None and self.snapkv.selections:  # a prefill just chose what to keep
-            from byblock.models.snapkv import apply_selection
+            from byblock.kv.snapkv import apply_selection
 
             apply_selection(cache, self.snapkv)
         hidden = None

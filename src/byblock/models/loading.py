@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from byblock.errors import ByblockError, ModelNotFoundError
+from byblock.kernels.cpu_features import native_bf16
+from byblock.kernels.fast_linear import dual_layout_linears, relayout_linears
+from byblock.kernels.gqa_sdpa import enable_gqa_sdpa
+from byblock.kernels.invariant import enable_row_invariance, probe_row_invariance
+from byblock.kernels.packed_gemm import load_kernel, pack_linears
 from byblock.models.adapter import TargetModel
-from byblock.models.cpu_features import native_bf16
-from byblock.models.fast_linear import dual_layout_linears, relayout_linears
-from byblock.models.gqa_sdpa import enable_gqa_sdpa
-from byblock.models.invariant import enable_row_invariance, probe_row_invariance
-from byblock.models.packed_gemm import load_kernel, pack_linears
 from byblock.models.registry import BUILTIN_MODELS, resolve_builtin
 
 log = logging.getLogger(__name__)
@@ -177,12 +177,12 @@ def load_model(
         trust_remote_code: allow code shipped with a hub checkpoint to run (off unless asked).
         attn_implementation: transformers attention backend ("sdpa" or "eager").
         relayout: True: the fastest linears available: for float32 byblock's packed-panel GEMM
-            (models/packed_gemm.py; fast and row-invariant at any row count) where it compiles, else weights
-            stored [in, out] for faster CPU GEMV ("inout", models/fast_linear.py); "dual": both library
+            (kernels/packed_gemm.py; fast and row-invariant at any row count) where it compiles, else weights
+            stored [in, out] for faster CPU GEMV ("inout", kernels/fast_linear.py); "dual": both library
             layouts, the kernel picked by row count; "packed": the packed GEMM or an error; False: as loaded.
         row_invariant: make decode and verify forwards compute each token's logits bitwise independently of
             how many tokens share the forward, so speculative decoding is token-identical to plain decoding
-            (models/invariant.py; replaces `relayout`). None: on for bfloat16, whose CPU kernels need it.
+            (kernels/invariant.py; replaces `relayout`). None: on for bfloat16, whose CPU kernels need it.
     """
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -230,13 +230,13 @@ def load_model(
             )
     else:
         if attn_implementation == "sdpa":
-            enable_gqa_sdpa(model)  # masked verify forwards without repeat_kv copies (models/gqa_sdpa.py)
+            enable_gqa_sdpa(model)  # masked verify forwards without repeat_kv copies (kernels/gqa_sdpa.py)
         if relayout == "dual":
             dual_layout_linears(model)
         elif relayout in (True, "packed") and dtype == torch.float32 and (kernel := load_kernel()) is not None:
             pack_linears(model, kernel)
         elif relayout == "packed":
-            raise ByblockError("--linears packed needs float32 weights, g++ and an AVX2 CPU (models/packed_gemm.py)")
+            raise ByblockError("--linears packed needs float32 weights, g++ and an AVX2 CPU (kernels/packed_gemm.py)")
         elif relayout:
             relayout_linears(model)
     return TargetModel(model.eval(), tok, name=name_or_path)

@@ -8,7 +8,7 @@ the next prompts are prefilled as a left-padded mini-batch and merged into the r
 Layout: every row's cache slots are [left padding | prompt | answer so far], all rows `length` slots long, the
 padding masked out (`attn` [b, length] bool). New rows are left-padded to the running length (or, rarely, the
 running rows to theirs); slots every row has as padding are dropped when there are `compact` of them, so the
-cache stays about as long as the longest live row. K/V live in preallocated buffers (models/kv_buffer.py).
+cache stays about as long as the longest live row. K/V live in preallocated buffers (kv/kv_buffer.py).
 
 Per row the result is what decoding it alone would give (greedy; up to the fp32 summation-order effects of batch
 composition that every batched decoder has), and sampled rows draw from their own seeded generator, so a row's
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from byblock.models.kv_buffer import buffered_cache
+from byblock.kv.kv_buffer import buffered_cache
 
 
 @dataclass(frozen=True)

@@ -114,10 +114,10 @@ def apply_selection(cache, state: SnapKVState) -> None:
 
 def enable_snapkv_on(target, cfg: SnapKVConfig) -> None:
     """SnapKV on a TargetModel: the SDPA path above, or on sliding-window models the per-head path of
-    models/h2o.py (heads keep different positions, so the window must be applied per head)."""
+    kv/h2o.py (heads keep different positions, so the window must be applied per head)."""
     if target.sliding_window is None:
         target.snapkv = enable_snapkv(target.hf, cfg)
         return
-    from byblock.models.h2o import enable_h2o
+    from byblock.kv.h2o import enable_h2o
 
     target.h2o = enable_h2o(target.hf, None, snap=cfg)

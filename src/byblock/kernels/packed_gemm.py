@@ -10,7 +10,7 @@ bit-identical logits for a token.
 
 The C++ source ships with the package and is compiled on first use with the system's g++ into a per-user
 cache (one second); without g++, AVX2 or FMA, `load_kernel()` returns None and byblock keeps the library
-kernels (`models/fast_linear.py`).
+kernels (`kernels/fast_linear.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from byblock.models.cpu_features import cpu_flags
+from byblock.kernels.cpu_features import cpu_flags
 
 log = logging.getLogger("byblock")
 

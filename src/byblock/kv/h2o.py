@@ -189,7 +189,7 @@ def h2o_attention_forward(module, query, key, value, attention_mask, scaling=Non
         hkv = key.shape[1]
         full_pos = positions.expand(hkv, t)
         if rt.snap is not None:
-            from byblock.models.snapkv import select_positions
+            from byblock.kv.snapkv import select_positions
 
             sel = select_positions(query, key, rt.snap, scale)  # [1, Hkv, kept] or None (prompt too short)
             keep = sel[0] if sel is not None else torch.arange(t).expand(hkv, t)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from byblock.models.fast_linear import InOutLinear
+from byblock.kernels.fast_linear import InOutLinear
 
 NAME = "byblock_invariant"
 ALIGN = 64  # part A of a row's keys ends on a multiple of this, at least this many slots before the row
@@ -51,7 +51,7 @@ class RowInvariantLinear(nn.Module):
     """y = x W^T + b whose value for a row does not depend on how many rows x has (bf16).
 
     Weight kept [out, in]: for bf16, `F.linear` is as fast as or faster than the [in, out] layout at every
-    row count measured here (dev/LOG.md, session 5), unlike fp32 (models/fast_linear.py). In decode and verify
+    row count measured here (dev/LOG.md, session 5), unlike fp32 (kernels/fast_linear.py). In decode and verify
     forwards (`state.plan` set; always when no state is given) rows go in chunks of 2..ROW_CHUNK: one row takes
     the GEMV path, and on AMX CPUs a 1536-deep GEMM with more than 32 rows takes another kernel. A prompt
     (no plan) runs as one GEMM: plain and speculative decoding prefill it identically."""

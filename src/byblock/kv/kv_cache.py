@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from byblock.models.h2o import H2OState
-from byblock.models.kv_buffer import BufferedLayer
+from byblock.kv.h2o import H2OState
+from byblock.kv.kv_buffer import BufferedLayer
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,9 @@ class KVCache:
         window: StreamingWindow | None = None,
         per_head: H2OState | None = None,
     ) -> None:
-        """kv_bits: None keeps K/V in the model dtype; 8 or 4 stores them quantized (models/kv_quant.py).
+        """kv_bits: None keeps K/V in the model dtype; 8 or 4 stores them quantized (kv/kv_quant.py).
         window: StreamingLLM eviction (None keeps everything). per_head: the per-head slot state of H2O, or of
-        SnapKV on sliding-window models (models/h2o.py)."""
+        SnapKV on sliding-window models (kv/h2o.py)."""
         self.hf = DynamicCache()
         self.window = window
         self.h2o = per_head
@@ -51,10 +51,10 @@ class KVCache:
         if kv_bits is not None:
             from functools import partial
 
-            from byblock.models.kv_quant import QuantizedLayer
+            from byblock.kv.kv_quant import QuantizedLayer
 
             self.hf.layer_class_to_replicate = partial(QuantizedLayer, bits=kv_bits)
-        else:  # append in place instead of re-concatenating the whole cache every forward (models/kv_buffer.py)
+        else:  # append in place instead of re-concatenating the whole cache every forward (kv/kv_buffer.py)
             self.hf.layer_class_to_replicate = BufferedLayer
 
     @property
@@ -144,7 +144,7 @@ class KVCache:
         """Keep slots [0, prefix_len) plus `new_slots` (absolute, increasing, all >= prefix_len).
 
         A chain's accepted tokens are contiguous, so this is a plain crop; a tree's are not. An H2O cache
-        instead takes the state its last forward reached at the last kept token (models/h2o.py).
+        instead takes the state its last forward reached at the last kept token (kv/h2o.py).
         """
         n = int(new_slots.numel())
         if self.h2o is not None and self.h2o.pending:
