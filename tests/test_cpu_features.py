@@ -40,15 +40,18 @@ def test_load_model_warns_about_emulated_bf16(monkeypatch, tmp_path, caplog):
     assert "no native bf16" not in caplog.text
 
 
-def test_train_cli_defaults_autocast_to_the_cpu(monkeypatch):
+def test_train_cli_defaults_autocast_to_the_device(monkeypatch):
     import argparse
+
+    import torch
 
     from byblock.cli import train
 
+    parser = argparse.ArgumentParser()
+    train.add_args(parser)
+    assert parser.parse_args(["dflash", "--out", "x"]).bf16 is None  # resolved for the device at run time
+    assert parser.parse_args(["dflash", "--out", "x", "--bf16", "true"]).bf16 is True
     for native in (True, False):
         monkeypatch.setattr(train, "native_bf16", lambda native=native: native)
-        parser = argparse.ArgumentParser()
-        train.add_args(parser)
-        args = parser.parse_args(["dflash", "--out", "x"])
-        assert args.bf16 is native
-        assert parser.parse_args(["dflash", "--out", "x", "--bf16", "true"]).bf16 is True
+        assert train.default_bf16(torch.device("cpu")) is native
+        assert train.default_bf16(torch.device("cuda")) is True

@@ -136,7 +136,7 @@ def test_speculative_sampling_matches_target_distribution(kind):
 def forgets_residual(draft, logits, params, g):
     """On rejection, resample from p instead of norm(max(p - q, 0))."""
     p = process_logits(logits, params)
-    noise = Noise.draw(draft.num_nodes, p.shape[-1], g)
+    noise = Noise.draw(draft.num_nodes, p.shape[-1], g, "cpu")
     good = rejection_chain(draft, p, noise)
     if good.num_accepted < draft.num_nodes:
         a = good.num_accepted

@@ -39,7 +39,7 @@ def test_tree_sampling_fast_equals_reference(n, vocab, chain, seed):
     draft = random_tree(n, vocab, g, chain)
     logits = torch.randn(n + 1, vocab, generator=g)
     params = SamplingParams(temperature=0.8, top_p=0.9) if seed % 2 else SamplingParams(temperature=1.0)
-    noise = Noise.draw(n, vocab, g)
+    noise = Noise.draw(n, vocab, g, "cpu")
     fast = walk_sampled(draft, logits, params, noise)
     assert fast == reference_tree_sampling(draft, process_logits(logits, params), noise)
 
@@ -47,12 +47,12 @@ def test_tree_sampling_fast_equals_reference(n, vocab, chain, seed):
 def test_noise_rows_are_fresh_then_remembered():
     """A row's variates are the same whoever asks and however often; different rows and rounds differ."""
     g = torch.Generator().manual_seed(3)
-    noise = Noise.draw(8, 50, g)
+    noise = Noise.draw(8, 50, g, "cpu")
     later_first = [noise.exp_row(r) for r in (5, 0, 5)]
     assert torch.equal(later_first[0], later_first[2])
     assert torch.equal(noise.exp_row(0), later_first[1])
     assert not torch.equal(noise.exp_row(0), noise.exp_row(5))
-    assert not torch.equal(noise.exp_row(0), Noise.draw(8, 50, g).exp_row(0))
+    assert not torch.equal(noise.exp_row(0), Noise.draw(8, 50, g, "cpu").exp_row(0))
 
 
 def test_sampled_walk_draws_only_the_rows_on_its_path():
@@ -68,7 +68,7 @@ def test_sampled_walk_draws_only_the_rows_on_its_path():
     draft = Draft(tokens=torch.arange(1, 32), parents=torch.full((31,), -1))  # 31 children of the root
     logits = torch.full((32, vocab), -30.0)
     logits[:, 0] = 30.0  # the target always says token 0, which no child carries
-    base = Noise.draw(31, vocab, torch.Generator().manual_seed(0))
+    base = Noise.draw(31, vocab, torch.Generator().manual_seed(0), "cpu")
     verdict = walk_sampled(draft, logits, SamplingParams(temperature=1.0), CountingNoise(base.u, vocab, base.generator))
     assert verdict.tokens == [0] and asked == [0]
 
@@ -88,7 +88,7 @@ def test_rejection_fast_equals_reference(k, vocab, seed, sparse):
         q = q / q.sum(-1, keepdim=True)
     x = torch.multinomial(q, 1, generator=g).squeeze(-1)
     draft = Draft.chain(x, q=q)
-    noise = Noise.draw(k, vocab, g)
+    noise = Noise.draw(k, vocab, g, "cpu")
     assert rejection_chain(draft, p, noise) == reference_rejection(draft, p, noise)
 
 
@@ -98,7 +98,7 @@ def test_identical_distributions_accept_everything():
     p = torch.cat([q, torch.randn(1, 5, generator=g).softmax(-1)])
     for _ in range(50):
         x = torch.multinomial(q, 1, generator=g).squeeze(-1)
-        verdict = rejection_chain(Draft.chain(x, q=q), p, Noise.draw(8, 5, g))
+        verdict = rejection_chain(Draft.chain(x, q=q), p, Noise.draw(8, 5, g, "cpu"))
         assert verdict.num_accepted == 8
 
 

@@ -99,7 +99,7 @@ def stem_attention_forward(module, query, key, value, attention_mask, scaling=No
     if main < lq:  # the last partial block of queries attends densely (a few rows)
         tail_mask = None if attention_mask is None else attention_mask[:, :, main:, :]
         if tail_mask is None:
-            tail_mask = torch.ones(lq - main, lk, dtype=torch.bool).tril(diagonal=main)[None, None]
+            tail_mask = torch.ones(lq - main, lk, dtype=torch.bool, device=query.device).tril(diagonal=main)[None, None]
         tail = torch.nn.functional.scaled_dot_product_attention(
             query[:, :, main:], key, value, attn_mask=tail_mask, scale=scale
         )

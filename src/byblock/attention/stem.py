@@ -108,10 +108,10 @@ def tpd_budgets(n: int, cfg: StemConfig) -> torch.Tensor:
     """[n] key-block budget of each query block."""
     forced = cfg.sink_blocks + cfg.local_blocks
     k = min(n, max(forced, round((1.0 - cfg.sparsity) * n)))
-    budgets = torch.full((n,), k, dtype=torch.long)
+    budgets = torch.full((n,), k, dtype=torch.long, device="cpu")  # a schedule: host metadata
     tail = n - k
     if tail > 0:
-        t = torch.linspace(0.0, 1.0, tail)
+        t = torch.linspace(0.0, 1.0, tail, device="cpu")
         if cfg.decay is Decay.LINEAR:
             vals = k * (1.0 - t * (1.0 - cfg.alpha))
         else:
@@ -158,12 +158,13 @@ def block_sparse_attention(
     kb = k.view(b, h, n, bs, d)
     vb = v.view(b, h, n, bs, d)
     out = torch.empty_like(qb)
-    tri = torch.ones(bs, bs, dtype=torch.bool).tril()
+    dev = q.device
+    tri = torch.ones(bs, bs, dtype=torch.bool, device=dev).tril()
     for c0 in range(0, n, chunk):
         rows = block_mask[:, :, c0 : c0 + chunk]  # [B, H, c, n]
         width = int(rows.sum(-1).max())
         # indices of selected key blocks, ascending, padded with block 0 (masked below)
-        sel = torch.sort(torch.where(rows, torch.arange(n), n), dim=-1).values[..., :width]  # [B, H, c, w]
+        sel = torch.sort(torch.where(rows, torch.arange(n, device=dev), n), dim=-1).values[..., :width]  # [B, H, c, w]
         valid = sel < n
         sel = sel.clamp_max(n - 1)
         idx = sel[..., None, None].expand(-1, -1, -1, -1, bs, d)  # [B, H, c, w, bs, D]
@@ -172,7 +173,7 @@ def block_sparse_attention(
         kg = torch.gather(src_k, 3, idx).flatten(3, 4)  # [B, H, c, w·bs, D]
         vg = torch.gather(src_v, 3, idx).flatten(3, 4)
         scores = (qb[:, :, c0 : c0 + chunk] @ kg.transpose(-1, -2)) * scale  # [B, H, c, bs, w·bs]
-        qblock = torch.arange(c0, c0 + sel.shape[2]).view(1, 1, -1, 1)
+        qblock = torch.arange(c0, c0 + sel.shape[2], device=dev).view(1, 1, -1, 1)
         diag = (sel == qblock)[..., None, :, None]  # [B, H, c, 1, w, 1]
         ok = valid[..., None, :, None] & (~diag | tri[None, None, None, :, None, :])  # causal in the diagonal
         if key_valid is not None:
@@ -235,7 +236,7 @@ def dense_reference(
     """The same attention by expanding the block mask to tokens and running dense masked attention."""
     allowed = block_mask.repeat_interleave(block_size, -1).repeat_interleave(block_size, -2)
     length = q.shape[2]
-    allowed = allowed & torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = allowed & torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
     if key_valid is not None:
         allowed = allowed & key_valid[:, None, None, :]
     scores = (q @ k.transpose(-1, -2)) * scale

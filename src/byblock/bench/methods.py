@@ -143,7 +143,7 @@ class MethodRunner:
             kwargs["prompt_lookup_num_tokens"] = HF_LOOKUP_TOKENS
         clock = _FirstTokenClock()
         with torch.inference_mode():
-            out = model.hf.generate(torch.tensor([ids]), streamer=clock, **kwargs)
+            out = model.hf.generate(torch.tensor([ids], device=model.device), streamer=clock, **kwargs)
         total = time.perf_counter() - clock.start
         new = out[0, len(ids) :].tolist()
         eos = model.eos_token_ids

@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from byblock.cli.dtype_args import add_dtype_args, relayout, row_invariant
+from byblock.cli.dtype_args import add_dtype_args, relayout, resolve_placement, row_invariant
 from byblock.models.registry import DEFAULT_MODEL
 
 # Named runs: fixed methods, datasets and sizes, so that two machines' tables compare. The dev prompts are the
@@ -139,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.no_plots:
         require("bench", "byblock bench's plots (or pass --no-plots)", ("matplotlib",))
+    resolve_placement(args)
 
     from byblock.dllm.loading import is_dllm_checkpoint
 
@@ -175,13 +176,15 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline not in names:
         raise ByblockError(f"--baseline '{args.baseline}' is not among --methods")
     datasets = load_datasets(args.dataset, args.dataset_path, args.limit)
-    target = load_model(args.model, dtype=args.dtype, row_invariant=row_invariant(args), relayout=relayout(args))
+    target = load_model(
+        args.model, device=args.device, dtype=args.dtype, row_invariant=row_invariant(args), relayout=relayout(args)
+    )
     from byblock.cli.sparse_args import enable_sparse
 
     density = enable_sparse(target, args)
     hf_target = None
     if any(s.engine is not Engine.BYBLOCK for s in specs):
-        hf_target = load_model(args.model, dtype=args.dtype, relayout=False, row_invariant=False)
+        hf_target = load_model(args.model, device=args.device, dtype=args.dtype, relayout=False, row_invariant=False)
     runners = {s.name: MethodRunner(s, target, hf_target, args.dtype) for s in specs}
     warm = SamplingParams(max_new_tokens=8, temperature=args.temperature, seed=args.seed)
     warm_ids = target.encode_prompt("Warm up: say hello.", chat=target.has_chat_template)
@@ -196,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
         "date": datetime.date.today().isoformat(),
         "model": args.model,
         "dtype": args.dtype,
+        "device": str(args.device),
         "params": {
             "temperature": args.temperature,
             "top_p": args.top_p,

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             )
 
     rows = run_passkey(
-        lambda: load_model(args.model, dtype=args.dtype),
+        lambda: load_model(args.model, device=args.device, dtype=args.dtype),
         settings,
         lambda model, s: apply_setting(model, s, stem, args.kv_snap_window),
         lambda model: {s.name: MethodRunner(s, model, None, args.dtype) for s in specs},

@@ -1,4 +1,4 @@
-"""The weights-dtype and kernel flags shared by `generate`, `bench` and `serve`."""
+"""The device, weights-dtype and kernel flags shared by `generate`, `bench` and `serve`."""
 
 from __future__ import annotations
 
@@ -6,8 +6,16 @@ import argparse
 
 
 def add_dtype_args(parser: argparse.ArgumentParser) -> None:
-    """--dtype, --linears and --no-row-invariance."""
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights dtype")
+    """--device, --dtype, --linears and --no-row-invariance."""
+    parser.add_argument(
+        "--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA when a GPU is visible, else the CPU)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="weights dtype (auto: bfloat16 on CUDA, float32 on the CPU)",
+    )
     parser.add_argument(
         "--linears",
         default="auto",
@@ -26,6 +34,15 @@ def add_dtype_args(parser: argparse.ArgumentParser) -> None:
 def row_invariant(args: argparse.Namespace) -> bool | None:
     """load_model's `row_invariant` for these flags (None: the dtype's default)."""
     return False if args.no_row_invariance else None
+
+
+def resolve_placement(args: argparse.Namespace) -> None:
+    """Resolve --device and --dtype once, before anything loads: `args.device` becomes a torch.device and
+    `args.dtype` a concrete name ("float32" / "bfloat16"); a device this machine lacks is a one-line error."""
+    from byblock.models.devices import resolve_device, resolve_dtype
+
+    args.device = resolve_device(args.device)
+    args.dtype = {"torch.float32": "float32", "torch.bfloat16": "bfloat16"}[str(resolve_dtype(args.dtype, args.device))]
 
 
 def relayout(args: argparse.Namespace) -> bool | str:

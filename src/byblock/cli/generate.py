@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from byblock.cli.dtype_args import add_dtype_args, relayout, row_invariant
+from byblock.cli.dtype_args import add_dtype_args, relayout, resolve_placement, row_invariant
 from byblock.cli.sparse_args import add_sparse_args, enable_sparse
 from byblock.models.registry import DEFAULT_MODEL
 
@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     """Load, generate, print."""
     from byblock.dllm.loading import is_dllm_checkpoint
 
+    resolve_placement(args)
+
     if args.sampler is not None or is_dllm_checkpoint(args.model):
         from byblock.cli.generate_dllm import run_dllm
 
@@ -87,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     )
     model = load_model(
         args.model,
+        device=args.device,
         dtype=args.dtype,
         trust_remote_code=args.trust_remote_code,
         row_invariant=row_invariant(args),

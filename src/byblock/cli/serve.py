@@ -7,7 +7,7 @@ import logging
 import socket
 import sys
 
-from byblock.cli.dtype_args import add_dtype_args, relayout, row_invariant
+from byblock.cli.dtype_args import add_dtype_args, relayout, resolve_placement, row_invariant
 from byblock.errors import ByblockError
 from byblock.models.registry import DEFAULT_MODEL
 
@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from byblock.extras import require
 
     require("serve", "byblock serve")
+    resolve_placement(args)
     import uvicorn
 
     from byblock.server.app import ServerConfig, create_app
@@ -114,6 +115,7 @@ def _ar_core(args: argparse.Namespace):
     specs = {text: DrafterSpec.parse(text, **knobs) for text in dict.fromkeys(args.drafter)}
     model = load_model(
         args.model,
+        device=args.device,
         dtype=args.dtype,
         trust_remote_code=args.trust_remote_code,
         row_invariant=row_invariant(args),

@@ -54,6 +54,11 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", help="training prompts (JSONL with a 'prompt' field); never the eval sets")
     parser.add_argument("--out", required=True, help="work directory (regen/, train/, export/ inside)")
     parser.add_argument("--stage", default="all", choices=[s.value for s in Stage])
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto | cpu | cuda | cuda:N for regenerate and train (torchrun: one GPU per rank)",
+    )
     g = parser.add_argument_group("regenerate")
     g.add_argument("--features", type=int, default=5, help="target layers whose hidden states are fused")
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -88,14 +93,19 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name)
-        if f.name == "bf16":  # autocast only pays where bf16 is native; emulated it is ~3x slower than fp32
-            value = native_bf16()
-        if isinstance(value, bool):
+        if f.name == "bf16":  # autocast pays where bf16 is native (GPUs; CPUs with AVX512-BF16 / AMX); on other
+            value = None  # CPUs emulated bf16 is ~3x slower than fp32. None: resolved for the device at run time
+        if isinstance(value, bool) or f.name == "bf16":
             t.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=value, metavar="BOOL")
         else:
             t.add_argument(flag, type=float if f.name in ("gamma",) else type(value), default=value)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def default_bf16(device) -> bool:
+    """bf16 autocast by default where bf16 is native: CUDA, and CPUs with AVX512-BF16 / AMX."""
+    return device.type == "cuda" or native_bf16()
 
 
 def _logging(path: Path) -> None:
@@ -114,9 +124,11 @@ def run(args: argparse.Namespace) -> int:
 
         return train_dllm.run(args)
     from byblock.errors import ByblockError
+    from byblock.models.devices import resolve_device
     from byblock.training.dflash_train import TrainConfig
     from byblock.training.regenerate import RegenConfig, build_target_layer_ids
 
+    args.device = resolve_device(args.device)  # a one-line error for a device this machine lacks
     stage = Stage(args.stage)
     out = Path(args.out)
     _logging(out / "pipeline.log")
@@ -142,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
             limit=args.limit,
             dtype=args.regen_dtype,
         )
-        summary["regenerate"] = regenerate(cfg, out / args.regen_dir, progress=not args.quiet)
+        summary["regenerate"] = regenerate(cfg, out / args.regen_dir, progress=not args.quiet, device=args.device)
     if stage is Stage.CODE_PROMPTS:
         if not args.prompts:
             raise ByblockError("--prompts (the file OUT/<regen-dir> was regenerated from) is required for code-prompts")
@@ -168,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
         from byblock.training.dflash_train import DFlashTrainer
 
         values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name != "domino"}
+        if values["bf16"] is None:
+            values["bf16"] = default_bf16(args.device)
         if values["gamma"] is not None:
             values["gamma"] = float(values["gamma"])
         domino = args.method == "domino"
@@ -177,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
             raise ByblockError(f"Domino starts from a DFlash checkpoint; none at {values['init_from']}")
         tcfg = TrainConfig(**values, domino=domino)
         suffix = "-domino" if domino else ""
-        trainer = DFlashTrainer(args.target, out / "regen", out / f"train{suffix}", tcfg)
+        trainer = DFlashTrainer(args.target, out / "regen", out / f"train{suffix}", tcfg, device=args.device)
         if stage is Stage.EXPORT and trainer.step == 0:
             raise ByblockError(f"nothing trained yet in {out / f'train{suffix}'} (run --stage train first)")
         if stage is not Stage.EXPORT:

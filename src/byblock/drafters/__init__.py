@@ -113,13 +113,13 @@ def build_drafter(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"
 
         backbone = build_dflash(spec, target, dtype)
         path = Path(spec.model).expanduser() if spec.model else shipped_dflash_dir(target.name)
-        head = load_domino(path, target.hidden_size)
+        head = load_domino(path, target.hidden_size).to(target.device)
         budget = spec.tree_budget if spec.kind is DrafterKind.DOMINO_TREE else 0
         return DominoDrafter(backbone, head, tree_budget=budget)
     from byblock.models.loading import load_model
 
     assert spec.model is not None
-    draft = load_model(spec.model, dtype=dtype, row_invariant=False)  # drafts need no invariance
+    draft = load_model(spec.model, device=target.device, dtype=dtype, row_invariant=False)  # needs no invariance
     check_same_vocabulary(draft, target)
     return ModelDrafter(draft, target_vocab=target.vocab_size, block_size=depth)
 
@@ -141,6 +141,8 @@ def build_dflash(spec: DrafterSpec, target: TargetModel, dtype: str = "float32")
 
     path = Path(spec.model).expanduser() if spec.model else shipped_dflash_dir(target.name)
     model, vocab = load_dflash(path, dtype=DTYPES.get(dtype, torch.float32))
+    model = model.to(target.device)  # the drafter runs beside its target, reading the target's embedding and head
+    vocab = None if vocab is None else vocab.to(target.device)
     head = target.hf.get_output_embeddings()
     if isinstance(head, PackedLinear) and next(model.parameters()).dtype == torch.float32:
         pack_linears(model, head.kernel)  # the drafter follows the target's fp32 kernels (kernels/packed_gemm.py)

@@ -52,7 +52,6 @@ DDTree build serves every candidate N. The choice never affects correctness: ver
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
@@ -62,6 +61,7 @@ from byblock.drafters.hybrid import merge_trees
 from byblock.drafters.ngram import NgramDrafter
 from byblock.kv.kv_cache import KVCache
 from byblock.models.adapter import TargetModel
+from byblock.models.devices import device_clock
 from byblock.sampling.params import SamplingParams
 from byblock.verify.rows import FIRST_ROWS
 from byblock.verify.types import Draft, Verdict
@@ -81,19 +81,21 @@ MAX_PROBE_GAP = 63  # at most this many resting rounds between two probes
 def measure_verify_cost(target: TargetModel, sizes=COST_SIZES, context: int = 128, repeats: int = 3) -> dict:
     """Median seconds of one verify forward over k new tokens after `context` cached ones, per k: the decoder
     stack over k rows, then the LM head over the rows a verification reads first (verify/rows.py)."""
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, max(11, target.vocab_size - 1), (1, context + max(sizes)), generator=g)
-    cache = KVCache()  # a plain cache: compressed ones (H2O, windows) are committed, not cropped
+    g = torch.Generator(device=target.device).manual_seed(0)
+    shape = (1, context + max(sizes))
+    ids = torch.randint(10, max(11, target.vocab_size - 1), shape, generator=g, device=target.device)
+    cache = KVCache(device=target.device)  # a plain cache: compressed ones (H2O, windows) are committed, not cropped
     target.forward(ids[:, :context], cache, logits_to_keep=1)
     out = {}
+    clock = device_clock(target.device)
     for k in sizes:
         times = []
         for _ in range(repeats + 1):
-            t = time.perf_counter()
+            t = clock()
             fwd = target.forward(ids[:, context : context + k], cache, defer_logits=True)
             if fwd.final is not None:
                 target.head(fwd.final[0, :FIRST_ROWS])
-            times.append(time.perf_counter() - t)
+            times.append(clock() - t)
             cache.crop(context)
         out[k] = statistics.median(times[1:])  # the first run warms the kernels for this shape
     return out
@@ -144,7 +146,7 @@ class ProbeSchedule:
 def expected_tokens(accept: torch.Tensor) -> torch.Tensor:
     """E(d) for d = 0..len(accept): tokens a round emits with a depth-d chain whose depth-j token is accepted
     with probability accept[j−1] given its parent was, 1 + Σ_{i ≤ d} Π_{j ≤ i} accept_j."""
-    return torch.cat([torch.ones(1), 1 + accept.cumprod(0).cumsum(0)])
+    return torch.cat([torch.ones(1, device=accept.device), 1 + accept.cumprod(0).cumsum(0)])
 
 
 class CostModel:
@@ -183,16 +185,17 @@ class AdaptiveDrafter:
             raise ValueError("an adaptive chain takes no lookup drafter (use tree=True)")
         self.dflash = dflash
         self.lookup = lookup
-        self.look_accepted = torch.ones(dflash.block_size)  # Beta(1,1) per lookup depth, as for the chain
-        self.look_reached = 2 * torch.ones(dflash.block_size)
+        # Acceptance statistics are host-side bookkeeping (read every round to choose a size).
+        self.look_accepted = torch.ones(dflash.block_size, device="cpu")  # Beta(1,1) per lookup depth
+        self.look_reached = 2 * torch.ones(dflash.block_size, device="cpu")
         self._look_len = 0
         self.tree = tree
         self.max_budget = max_budget
         self.block_size = dflash.block_size
         self.hidden_layers = dflash.hidden_layers
         self.cost = cost or CostModel(measure_verify_cost(target, [k for k in COST_SIZES if k <= max_budget + 1]))
-        self.accepted_at = torch.ones(self.block_size)  # Beta(1,1) prior: 1 success ...
-        self.reached = 2 * torch.ones(self.block_size)  # ... out of 2 trials per depth
+        self.accepted_at = torch.ones(self.block_size, device="cpu")  # Beta(1,1) prior: 1 success ...
+        self.reached = 2 * torch.ones(self.block_size, device="cpu")  # ... out of 2 trials per depth
         self.draft_s = 0.0  # summed over the rounds that ran the drafter
         self.drafted = 0
         self.rounds = 0
@@ -204,7 +207,10 @@ class AdaptiveDrafter:
         self._model_pays = True  # tree: the last drafted round's best tree beat a plain step
         # hybrid: arms[regime][drafted] (regime 0: the lookup proposed nothing, 1: it proposed a chain)
         self.arms = [[RoundRate(), RoundRate()], [RoundRate(), RoundRate()]]
-        self.clock = time.perf_counter
+        # Clocks that drain a GPU's queue before each reading (models/devices.py): `clock` times whole rounds for
+        # the hybrid's rest rule (tests replace it with a fake one), `_timer` the drafter's own forwards.
+        self.clock = device_clock(dflash.device)
+        self._timer = device_clock(dflash.device)
         self._round: tuple[int, int, float] | None = None  # the open round: regime, drafted (0/1), start time
         self._round_tokens = 0
         self.rests = 0  # rounds that skipped the drafter
@@ -222,7 +228,7 @@ class AdaptiveDrafter:
 
     def propose(self, tokens: list[int], max_depth: int) -> Draft:
         """Draft the full block once, then keep the most profitable prefix (chain) or node count (tree)."""
-        t0 = time.perf_counter()
+        t0 = self._timer()
         depth = min(self.block_size, max_depth)
         draft_s = self.draft_s / self.drafted if self.drafted else 0.0
         if not self.tree:
@@ -250,7 +256,7 @@ class AdaptiveDrafter:
                 return self._rest_hybrid(look)
             logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
             draft = self._hybrid(look, logits, draft_s)
-        self.draft_s += time.perf_counter() - t0
+        self.draft_s += self._timer() - t0
         self.drafted += 1
         self.rounds += 1
         return draft
@@ -306,7 +312,7 @@ class AdaptiveDrafter:
         return self.dflash.chain_from_logits(logits[:depth])
 
     def _tree(self, logits: torch.Tensor, draft_s: float) -> Draft:
-        logp = tree_logp(logits, self._params)
+        logp = tree_logp(logits, self._params).cpu()  # trees are built on the host (one copy per round)
         ids, parents = build_tree(logp, self.max_budget)
         path_p, _ = self._path_probs(logp, ids, parents)  # [N] in pop order
         expected = 1 + (self.rho_num / self.rho_den) * path_p.cumsum(0)  # E(N) for N = 1..max
@@ -315,33 +321,30 @@ class AdaptiveDrafter:
         self._model_pays = bool(rate) and rate[n_best - 1] >= 1.0 / self.cost(1)
         self.last_choice = n_best
         self._predicted = float(path_p[:n_best].sum())
-        toks = self.dflash.to_target(torch.tensor(ids[:n_best], dtype=torch.long))[0]
-        return Draft(tokens=toks, parents=torch.tensor(parents[:n_best], dtype=torch.long))
+        return Draft.tree(self.dflash.ids_to_target(ids[:n_best]), parents[:n_best])
 
     def _hybrid(self, look: Draft, logits: torch.Tensor, draft_s: float) -> Draft:
         """Lookup chain (always) + the profitable number of DDTree nodes, merged as a trie."""
-        logp = tree_logp(logits, self._params)
+        logp = tree_logp(logits, self._params).cpu()  # trees are built on the host (one copy per round)
         ids, parents = build_tree(logp, self.max_budget)
         path_p, depth = self._path_probs(logp, ids, parents)  # [N], depths
-        toks = torch.empty(0, dtype=torch.long)
-        if ids:
-            toks = self.dflash.to_target(torch.tensor(ids, dtype=torch.long))[0]
+        toks = self.dflash.ids_to_target(ids)
         look_toks = look.tokens.tolist()
         length = len(look_toks)
         on_look: list[bool] = []  # model node i lies on the lookup path (merging it costs no node)
-        for tok, par, d in zip(toks.tolist(), parents, depth, strict=True):
+        for tok, par, d in zip(toks, parents, depth, strict=True):
             on_look.append((par < 0 or on_look[par]) and d < length and tok == look_toks[d])
-        new = ~torch.tensor(on_look, dtype=torch.bool)
+        new = ~torch.tensor(on_look, dtype=torch.bool, device="cpu")
         beta = (self.look_accepted / self.look_reached)[:length].cumprod(0)
         rho = self.rho_num / self.rho_den
-        gain = float(beta.sum()) + rho * torch.cat([torch.zeros(1), (path_p * new).cumsum(0)])  # [N+1]
-        size = length + torch.cat([torch.zeros(1, dtype=torch.long), new.long().cumsum(0)])  # [N+1]
+        gain = float(beta.sum()) + rho * torch.cat([torch.zeros(1, device="cpu"), (path_p * new).cumsum(0)])  # [N+1]
+        size = length + torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), new.long().cumsum(0)])  # [N+1]
         rate = [float(1 + gain[n]) / (draft_s + self.cost(int(size[n]) + 1)) for n in range(len(ids) + 1)]
         n_best = max(range(len(rate)), key=rate.__getitem__)
         self.last_choice = int(size[n_best])
         self._predicted = float((path_p * new)[:n_best].sum())
         self._look_len = length
-        model = Draft(tokens=toks[:n_best], parents=torch.tensor(parents[:n_best], dtype=torch.long))
+        model = Draft.tree(toks[:n_best], parents[:n_best])
         return merge_trees(look, model, budget=length + n_best)
 
     def _forget(self) -> None:
@@ -361,7 +364,7 @@ class AdaptiveDrafter:
             d = 0 if par < 0 else depth[par] + 1
             depth.append(d)
             score.append((0.0 if par < 0 else score[par]) + float(logp[d, tok]))
-        return torch.tensor(score).exp(), depth
+        return torch.tensor(score, device="cpu").exp(), depth
 
     def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
         """Update acceptance statistics, then the backbone's context."""

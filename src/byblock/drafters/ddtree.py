@@ -119,9 +119,9 @@ class DDTreeDrafter:
         """The best `budget` prefixes of the block's distributions, as one tree."""
         depth = min(self.block_size, max_depth)
         logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [depth, Vd]
-        ids, parents = build_tree(tree_logp(logits, self._params), self.budget, self.top_k)
-        toks = self.dflash.to_target(torch.tensor(ids, dtype=torch.long))[0]
-        return Draft(tokens=toks, parents=torch.tensor(parents, dtype=torch.long))
+        # The tree is built on the host: one copy of the block's log-probs per round, not one sync per node.
+        ids, parents = build_tree(tree_logp(logits, self._params).cpu(), self.budget, self.top_k)
+        return Draft.tree(self.dflash.ids_to_target(ids), parents)
 
     def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
         """The accepted path is a chain of depths 1..a: its features extend the context like DFlash's."""

@@ -66,6 +66,7 @@ class DFlashDrafter:
         self.vocab_size = target.vocab_size
         # The reference embeds with the raw table (any in-model embedding scale is bypassed).
         self.embed_weight = target.hf.get_input_embeddings().weight  # [V, H]
+        self.device = self.embed_weight.device  # the target's: the drafter runs beside it
         head = target.hf.get_output_embeddings()
         self.draft_vocab = draft_vocab
         self.packed_head: PackedLinear | None = None  # the target's fp32 head on the packed kernel, if it is
@@ -86,6 +87,7 @@ class DFlashDrafter:
         self._pending_start = 0  # position of the first pending feature
         self._params = SamplingParams()
         self._generator: torch.Generator | None = None
+        self._vocab_host: list[int] | None = None  # draft_vocab as a list, made on first host-side use
 
     def start(
         self,
@@ -109,11 +111,12 @@ class DFlashDrafter:
         c = self._pending.shape[0]
         if self._pending_start + c != anchor_pos:
             raise RuntimeError(f"drafter context ends at {self._pending_start + c}, anchor at {anchor_pos}")
-        ids = torch.full((self.block,), self.mask_token_id, dtype=torch.long)
+        dev = self.device
+        ids = torch.full((self.block,), self.mask_token_id, dtype=torch.long, device=dev)
         ids[0] = anchor
         embeds = F.embedding(ids, self.embed_weight)[None]  # [1, B, H]
-        block_pos = torch.arange(anchor_pos, anchor_pos + self.block)[None]  # [1, B]
-        ctx_pos = torch.arange(self._pending_start, anchor_pos)[None]  # [1, C]
+        block_pos = torch.arange(anchor_pos, anchor_pos + self.block, device=dev)[None]  # [1, B]
+        ctx_pos = torch.arange(self._pending_start, anchor_pos, device=dev)[None]  # [1, C]
         with torch.inference_mode():
             h = self.model(embeds, self._pending[None], block_pos, ctx_pos, cache=self._cache)  # [1, B, H]
             rows = h[0, 1 : 1 + depth]  # [depth, H]
@@ -136,9 +139,17 @@ class DFlashDrafter:
             return ids, q_small
         if q_small is None:
             return vocab[ids], None
-        q = torch.zeros(q_small.shape[0], self.vocab_size)
+        q = torch.zeros(q_small.shape[0], self.vocab_size, device=q_small.device)
         q[:, vocab] = q_small
         return vocab[ids], q
+
+    def ids_to_target(self, ids: list[int]) -> list[int]:
+        """Host-side draft-vocabulary ids -> target ids (trees are built on the host)."""
+        if self.draft_vocab is None:
+            return ids
+        if self._vocab_host is None:
+            self._vocab_host = self.draft_vocab.tolist()
+        return [self._vocab_host[i] for i in ids]
 
     def chain_from_logits(self, logits: torch.Tensor) -> Draft:
         """A chain from draft logits [depth, Vd]: argmax when greedy, else a draw with its q recorded."""

@@ -64,7 +64,8 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos, sin [..., T, head_dim] for integer positions [..., T] (half-rotation RoPE)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [d/2]
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+    inv_freq = 1.0 / (theta ** (steps / head_dim))  # [d/2]
     freqs = positions.float()[..., None] * inv_freq  # [..., T, d/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

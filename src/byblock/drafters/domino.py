@@ -68,7 +68,7 @@ class DominoHead(nn.Module):
         """
         states, _ = self.prefix_gru(prefix_embeds)  # [n, B−1, G]: state k−1 has read x_0..x_{k−1}
         res = self.residual(h, states)
-        keep = torch.ones(res.shape[1], dtype=res.dtype)
+        keep = torch.ones(res.shape[1], dtype=res.dtype, device=res.device)
         keep[: self.config.pure_draft_prefix_len] = 0
         return res * keep[None, :, None]
 
@@ -176,7 +176,7 @@ class DominoDrafter:
                 qs.append(q)
             picked.append(t)
             prev_emb = self._embed(t)
-        ids = torch.tensor(picked, dtype=torch.long)
+        ids = torch.tensor(picked, dtype=torch.long, device=self.dflash.device)
         tokens, q = self.dflash.to_target(ids, torch.stack(qs) if qs else None)  # q: [D, V] when sampling
         return Draft.chain(tokens, q=q)
 
@@ -194,8 +194,7 @@ class DominoDrafter:
             return tree_logp(logits, self._params)
 
         ids, parents = build_tree_lazy(expand, depth, self.tree_budget)
-        toks = self.dflash.to_target(torch.tensor(ids, dtype=torch.long))[0]
-        return Draft(tokens=toks, parents=torch.tensor(parents, dtype=torch.long))
+        return Draft.tree(self.dflash.ids_to_target(ids), parents)
 
     def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
         """Same context bookkeeping as the backbone."""

@@ -79,7 +79,8 @@ class ModelDrafter:
         keep = min(_common_prefix(self.cached, tokens), len(tokens) - 1)
         self.cache.crop(keep)
         feed = tokens[keep:]
-        logits = self.draft.forward(torch.tensor([feed]), self.cache, logits_to_keep=1).logits[0, -1]
+        dev = self.draft.device
+        logits = self.draft.forward(torch.tensor([feed], device=dev), self.cache, logits_to_keep=1).logits[0, -1]
         self.cached = list(tokens)
         xs: list[int] = []
         qs: list[torch.Tensor] = []
@@ -92,7 +93,8 @@ class ModelDrafter:
                 qs.append(q)
             xs.append(x)
             if i + 1 < gamma:
-                logits = self.draft.forward(torch.tensor([[x]]), self.cache, logits_to_keep=1).logits[0, -1]
+                step = torch.tensor([[x]], device=dev)
+                logits = self.draft.forward(step, self.cache, logits_to_keep=1).logits[0, -1]
                 self.cached.append(x)
         return Draft.chain(xs, q=torch.stack(qs) if qs else None)
 

@@ -38,7 +38,7 @@ def merge_trees(first: Draft, second: Draft, budget: int) -> Draft:
 
     add(first)
     add(second)
-    return Draft(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
+    return Draft.tree(tokens, parents)
 
 
 class HybridDrafter:

@@ -42,7 +42,7 @@ def find_continuations(tokens: list[int], n: int, length: int, limit: int) -> li
     """
     if len(tokens) <= n:
         return []
-    t = torch.tensor(tokens)
+    t = torch.tensor(tokens, device="cpu")  # matching runs on the host, over the token history
     windows = t.unfold(0, n, 1)[:-1]  # [L-n, n]: every n-gram except the final (the query itself)
     hits = torch.nonzero((windows == t[-n:]).all(-1)).flatten().tolist()
     out: list[list[int]] = []
@@ -72,7 +72,7 @@ def trie_draft(continuations: list[list[int]], budget: int) -> Draft:
                 tokens.append(tok)
                 parents.append(parent)
             parent = node
-    return Draft(tokens=torch.tensor(tokens, dtype=torch.long), parents=torch.tensor(parents, dtype=torch.long))
+    return Draft.tree(tokens, parents)
 
 
 class NgramDrafter(StatelessDrafter):

@@ -52,7 +52,7 @@ class Generation:
     def __iter__(self) -> Iterator[StreamEvent]:
         model, params = self.model, self.params
         start = time.perf_counter()
-        generator = make_generator(params.seed)
+        generator = make_generator(params.seed, model.device)
         stats = SpecStats()
         if self.drafter is None:
             loop = plain_decode(model, self.prompt_ids, params, generator, stats)

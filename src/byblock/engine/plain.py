@@ -3,13 +3,13 @@ per-token work it does not need (one forward, one argmax or draw, one yield)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import torch
 
 from byblock.engine.types import SpecStats, TokenEvent
 from byblock.models.adapter import TargetModel
+from byblock.models.devices import device_clock
 from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import choose
 
@@ -23,12 +23,14 @@ def plain_decode(
 ) -> Iterator[TokenEvent]:
     """Yield target tokens one at a time, forever; the consumer stops by closing the iterator."""
     cache = target.new_cache()
-    logits = target.forward(torch.tensor([prompt_ids]), cache, logits_to_keep=1).logits  # [1, 1, V]
+    dev = target.device
+    clock = device_clock(dev)
+    logits = target.forward(torch.tensor([prompt_ids], device=dev), cache, logits_to_keep=1).logits  # [1, 1, V]
     token = choose(logits[0, -1], params, generator)
     while True:
         yield TokenEvent(token, from_draft=False)
-        t0 = time.perf_counter()
+        t0 = clock()
         cache.evict()  # StreamingLLM caches drop what the next query cannot see (no-op otherwise)
-        logits = target.forward(torch.tensor([[token]]), cache, logits_to_keep=1).logits
+        logits = target.forward(torch.tensor([[token]], device=dev), cache, logits_to_keep=1).logits
         token = choose(logits[0, -1], params, generator)
-        stats.record(0, 0, 0, 0.0, time.perf_counter() - t0)
+        stats.record(0, 0, 0, 0.0, clock() - t0)

@@ -13,7 +13,6 @@ but the last one (the root), whose K/V is computed in the next round's forward t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import torch
@@ -21,6 +20,7 @@ import torch
 from byblock.drafters.base import Drafter
 from byblock.engine.types import SpecStats, TokenEvent
 from byblock.models.adapter import TargetModel
+from byblock.models.devices import device_clock
 from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import choose
 from byblock.verify import Draft, TargetRows, verify
@@ -37,9 +37,11 @@ def speculative_decode(
     """Yield tokens, several per target forward; output identical (greedy) / equal in law (sampling)
     to plain_decode. The consumer stops by closing the iterator, mid-block if it likes."""
     layers = drafter.hidden_layers
+    dev = target.device  # draft metadata (tokens, parents, paths) stays on the host; what the model reads goes here
+    clock = device_clock(dev)  # on a GPU, waits for the queued work: draft and verify times are the device's
     cache = target.new_cache()
     out = target.forward(
-        torch.tensor([prompt_ids]), cache, logits_to_keep=1, hidden_layers=layers
+        torch.tensor([prompt_ids], device=dev), cache, logits_to_keep=1, hidden_layers=layers
     )  # logits [1, 1, V]; hidden [1, T, k*H] or None
     tokens = [*prompt_ids, choose(out.logits[0, -1], params, generator)]
     drafter.start(prompt_ids, out.hidden, params, generator)
@@ -48,20 +50,20 @@ def speculative_decode(
     while True:
         # Never draft past what can still be emitted (the round adds one token of its own) or the context.
         depth_budget = min(params.max_new_tokens - emitted, target.max_context - len(tokens)) - 1
-        t0 = time.perf_counter()
+        t0 = clock()
         draft = drafter.propose(tokens, depth_budget) if depth_budget > 0 else Draft.empty()
-        t1 = time.perf_counter()
+        t1 = clock()
 
         cache.evict()  # StreamingLLM caches drop what the next query cannot see (no-op otherwise)
         past = cache.length  # slots; == len(tokens) - 1 unless the cache evicts
         root_pos = cache.next_position  # the root's absolute position == len(tokens) - 1
         node_depths = draft.depths()  # [N]
-        input_ids = torch.tensor([[tokens[-1], *draft.tokens.tolist()]])  # [1, 1+N]
+        input_ids = torch.tensor([[tokens[-1], *draft.tokens.tolist()]], device=dev)  # [1, 1+N]
         positions = tree_mask = None
         if not draft.is_chain:
-            depths = torch.cat([torch.zeros(1, dtype=torch.long), node_depths])  # [1+N]
-            positions = (root_pos + depths)[None]
-            tree_mask = draft.ancestor_mask()
+            depths = [0, *node_depths.tolist()]  # [1+N]
+            positions = torch.tensor([[root_pos + d for d in depths]], device=dev)
+            tree_mask = draft.ancestor_mask(dev)
         out = target.forward(
             input_ids, cache, positions=positions, tree_mask=tree_mask, hidden_layers=layers, defer_logits=True
         )
@@ -69,13 +71,14 @@ def speculative_decode(
         logits = out.logits[0] if out.logits is not None else target_rows(target, out.final[0], draft)
         verdict = verify(draft, logits, params, generator)
         # Commit: keep the root's slot and the accepted nodes' slots (node i sits at slot past + 1 + i).
-        path = torch.tensor(verdict.path, dtype=torch.long)
+        path = torch.tensor(verdict.path, dtype=torch.long, device=dev)
         cache.commit(past + 1, past + 1 + path)
         hidden = None
         if out.hidden is not None:
-            hidden = out.hidden[:, torch.cat([torch.zeros(1, dtype=torch.long), path + 1])]  # [1, 1+a, k*H]
+            rows = torch.tensor([0, *(i + 1 for i in verdict.path)], dtype=torch.long, device=dev)
+            hidden = out.hidden[:, rows]  # [1, 1+a, k*H]
         drafter.observe(verdict, hidden)
-        t2 = time.perf_counter()
+        t2 = clock()
         depth = int(node_depths.max()) if draft.num_nodes else 0
         stats.record(depth, draft.num_nodes, verdict.num_accepted, t1 - t0, t2 - t1)
 

@@ -105,7 +105,10 @@ class RowPlan:
             return None
         cut = ((past + depth - ALIGN).clamp(min=0) // ALIGN) * ALIGN  # [T]
         n_cache = past - cut  # [T] cached keys in part B
-        j = torch.arange(PART_B)[None]  # [1, Lb]: fixed width, so part B's GEMM has the same K however computed
+        dev = block_visible.device
+        j = torch.arange(PART_B, device=dev)[
+            None
+        ]  # [1, Lb]: fixed width, so part B's GEMM has the same K however computed
         # k-th visible block slot of each row (stable sort puts visible slots first, in slot order)
         order = torch.sort((~block_visible).to(torch.int8), dim=-1, stable=True).indices  # [T, T]
         k = (j - n_cache[:, None]).clamp(min=0, max=t - 1)  # [T, Lb]
@@ -113,7 +116,7 @@ class RowPlan:
         valid = j < (n_cache + depth + 1)[:, None]
         index = torch.where(in_block, past + order.gather(1, k), cut[:, None] + j)
         index = index.masked_fill(~valid, 0)
-        chain = bool(torch.equal(block_visible, torch.ones(t, t, dtype=torch.bool).tril()))
+        chain = bool(torch.equal(block_visible, torch.ones(t, t, dtype=torch.bool, device=dev).tril()))
         return RowPlan(cut, tuple(sorted(set(cut.tolist()))), index, valid, chain)
 
 
@@ -142,7 +145,7 @@ def _row_sums(w: torch.Tensor) -> torch.Tensor:
     once there are enough rows (24 here) and sums in another order — a 24-row verify's denominator came out
     one bf16 ulp off the same token's plain step and flipped a greedy token (dev/LOG.md, session 8). A
     stride-0 `expand` of one column would pick yet another kernel, so the ones are materialised."""
-    ones = torch.ones(*w.shape[:-2], w.shape[-1], SUM_COLS, dtype=w.dtype)
+    ones = torch.ones(*w.shape[:-2], w.shape[-1], SUM_COLS, dtype=w.dtype, device=w.device)
     return _gemm(w, ones)[..., :1]
 
 
@@ -180,7 +183,7 @@ def invariant_attention_forward(
     s = s.view(bsz, hkv, group, t, length)
     if attention_mask is None:
         if t > 1:
-            causal = torch.ones(t, length, dtype=torch.bool).tril(length - t)
+            causal = torch.ones(t, length, dtype=torch.bool, device=s.device).tril(length - t)
             s = s.masked_fill(~causal, float("-inf"))
     else:
         m = attention_mask[:, :, None, :, -length:]  # [B|1, 1, 1, T, L]: broadcast over the group
@@ -313,20 +316,21 @@ def _attention_rows_differ(
     g: torch.Generator, past: int, n: int, heads: int, hkv: int, dim: int, dtype: torch.dtype, tree: bool
 ) -> bool:
     """Whether some row of an n-token verify block differs bitwise from that token decoded alone."""
-    q = torch.randn(1, heads, n, dim, generator=g).to(dtype)
-    k = torch.randn(1, hkv, past + n, dim, generator=g).to(dtype)
-    v = torch.randn(1, hkv, past + n, dim, generator=g).to(dtype)
-    visible = torch.ones(n, n, dtype=torch.bool).tril()
+    cpu = "cpu"  # the probe checks the CPU kernels these rules are for
+    q = torch.randn(1, heads, n, dim, generator=g, device=cpu).to(dtype)
+    k = torch.randn(1, hkv, past + n, dim, generator=g, device=cpu).to(dtype)
+    v = torch.randn(1, hkv, past + n, dim, generator=g, device=cpu).to(dtype)
+    visible = torch.ones(n, n, dtype=torch.bool, device=cpu).tril()
     if tree:  # a random tree: node i hangs under a random earlier node
-        visible = torch.eye(n, dtype=torch.bool)
+        visible = torch.eye(n, dtype=torch.bool, device=cpu)
         for i in range(1, n):
-            visible[i] |= visible[int(torch.randint(0, i, (1,), generator=g))]
-    allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), visible], dim=1)[None, None]
+            visible[i] |= visible[int(torch.randint(0, i, (1,), generator=g, device=cpu))]
+    allowed = torch.cat([torch.ones(n, past, dtype=torch.bool, device=cpu), visible], dim=1)[None, None]
     scale = dim**-0.5
     block, _ = invariant_attention_forward(_PlanHolder(RowPlan.build(past, visible)), q, k, v, allowed, scale)
     for i in range(n):
-        keys = torch.cat([torch.arange(past), past + visible[i].nonzero()[:, 0]])
-        single = _PlanHolder(RowPlan.build(len(keys) - 1, torch.ones(1, 1, dtype=torch.bool)))
+        keys = torch.cat([torch.arange(past, device=cpu), past + visible[i].nonzero()[:, 0]])
+        single = _PlanHolder(RowPlan.build(len(keys) - 1, torch.ones(1, 1, dtype=torch.bool, device=cpu)))
         one, _ = invariant_attention_forward(single, q[:, :, i : i + 1], k[:, :, keys], v[:, :, keys], None, scale)
         if not torch.equal(one[0, 0], block[0, i]):
             return True

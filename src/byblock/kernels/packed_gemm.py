@@ -60,7 +60,7 @@ class PackedGemm:
         w = weight.detach().to(torch.float32).contiguous()
         n, k = w.shape
         size = -(-n // self.panel) * k * self.panel
-        buf = torch.empty(size + ALIGN_BYTES // 4, dtype=torch.float32)
+        buf = torch.empty(size + ALIGN_BYTES // 4, dtype=torch.float32, device="cpu")  # a CPU kernel's panels
         shift = (-buf.data_ptr() % ALIGN_BYTES) // 4  # torch aligns to 64 bytes; this is a guarantee, not a hope
         packed = buf[shift : shift + size]
         self._lib.byblock_pack(w.data_ptr(), n, k, packed.data_ptr())
@@ -69,11 +69,13 @@ class PackedGemm:
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x [..., K] fp32 -> [..., N] with the packed weight (bias [N] or None)."""
+        """x [..., K] fp32 on the CPU -> [..., N] with the packed weight (bias [N] or None)."""
+        if x.device.type != "cpu":  # raw pointers into a CPU kernel: anything else would read garbage or crash
+            raise ValueError(f"the packed GEMM is a CPU kernel; got an input on {x.device}")
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         x2 = x.reshape(rows, k).contiguous()  # a no-op for the usual contiguous activations
-        y = torch.empty(rows, out_features, dtype=torch.float32)
+        y = torch.empty(rows, out_features, dtype=torch.float32, device=x.device)
         if rows:
             self._lib.byblock_packed_linear(
                 x2.data_ptr(),

@@ -88,7 +88,7 @@ def evict(scores: torch.Tensor, pos: torch.Tensor, cfg: H2OConfig, horizon: int 
     scores [Hkv, n] accumulated attention; pos [Hkv, n] positions; horizon: on a sliding-window layer, the
     smallest position any later query can still see (older slots go first, whatever their score)."""
     n = scores.shape[1]
-    keep_all = torch.arange(n).expand(scores.shape[0], n)
+    keep_all = torch.arange(n, device=scores.device).expand(scores.shape[0], n)
     if n <= cfg.budget:
         return keep_all
     candidates = scores[:, : n - cfg.recent]
@@ -126,10 +126,11 @@ def h2o_nodes(
     for i, parent in enumerate(parents):
         prev = base if parent < 0 else states[parent]
         q_pos = int(positions[i])
+        dev = prev.slots.device
         cur = HeadState(
-            torch.cat([prev.slots, torch.full((hkv, 1), past + i)], 1),
-            torch.cat([prev.scores, torch.zeros(hkv, 1)], 1),
-            torch.cat([prev.pos, torch.full((hkv, 1), q_pos)], 1),
+            torch.cat([prev.slots, torch.full((hkv, 1), past + i, device=dev)], 1),
+            torch.cat([prev.scores, torch.zeros(hkv, 1, device=dev)], 1),
+            torch.cat([prev.pos, torch.full((hkv, 1), q_pos, device=dev)], 1),
         )  # [Hkv, n]
         idx = cur.slots[..., None].expand(-1, -1, d)
         k, v = key.gather(1, idx), value.gather(1, idx)  # [Hkv, n, D]
@@ -153,7 +154,7 @@ def prefill_scores(query: torch.Tensor, key: torch.Tensor, positions: torch.Tens
     query [H, T, D], key [Hkv, T, D]; computed in query chunks so no [H, T, T] matrix is ever held."""
     hkv, t, d = key.shape
     groups = query.shape[0] // hkv
-    acc = torch.zeros(hkv, t)
+    acc = torch.zeros(hkv, t, device=key.device)
     for c0 in range(0, t, PREFILL_CHUNK):
         c1 = min(t, c0 + PREFILL_CHUNK)
         q = query[:, c0:c1].reshape(hkv, groups * (c1 - c0), d)
@@ -192,15 +193,17 @@ def h2o_attention_forward(module, query, key, value, attention_mask, scaling=Non
             from byblock.kv.snapkv import select_positions
 
             sel = select_positions(query, key, rt.snap, scale)  # [1, Hkv, kept] or None (prompt too short)
-            keep = sel[0] if sel is not None else torch.arange(t).expand(hkv, t)
-            state.pending[layer] = [HeadState(keep, torch.zeros(keep.shape), full_pos.gather(1, keep))]
+            keep = sel[0] if sel is not None else torch.arange(t, device=key.device).expand(hkv, t)
+            zero = torch.zeros(keep.shape, device=key.device)
+            state.pending[layer] = [HeadState(keep, zero, full_pos.gather(1, keep))]
             return out, None
         scores = prefill_scores(query[0], key[0], positions, scale, window)
-        full = HeadState(torch.arange(t).expand(hkv, t), scores, full_pos)
+        full = HeadState(torch.arange(t, device=key.device).expand(hkv, t), scores, full_pos)
         horizon = None if window is None else int(positions[-1]) + 2 - window
         state.pending[layer] = [_apply(full, evict(scores, full.pos, state.cfg, horizon))]
         return out, None
-    base = HeadState(torch.arange(past).expand(key.shape[1], past), state.scores[layer], state.pos[layer])
+    slots = torch.arange(past, device=key.device).expand(key.shape[1], past)
+    base = HeadState(slots, state.scores[layer], state.pos[layer])
     parents = rt.parents if rt.parents is not None else list(range(-1, t - 1))
     out, states = h2o_nodes(query[0], key[0], value[0], base, positions, parents, state.cfg, scale, window)
     state.pending[layer] = states
@@ -211,7 +214,7 @@ def tree_parents(tree_mask: torch.Tensor) -> list[int]:
     """Parent of each node from an ancestor-or-self mask [T, T] (nodes in topological order; root -> -1)."""
     strict = tree_mask.clone()
     strict.fill_diagonal_(False)
-    idx = torch.arange(tree_mask.shape[0])
+    idx = torch.arange(tree_mask.shape[0], device=tree_mask.device)
     return [int(idx[row].max()) if row.any() else -1 for row in strict]
 
 

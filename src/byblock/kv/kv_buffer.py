@@ -66,7 +66,7 @@ class _Slots:
         """Keep `slots` (int64 [n], increasing) in order. The slots before the first gap stay where they are;
         only the rest are moved (a tree commit keeps the whole prefix plus a short accepted path)."""
         n = int(slots.numel())
-        ident = slots == torch.arange(n)
+        ident = slots == torch.arange(n, device=slots.device)
         head = n if bool(ident.all()) else int(ident.long().argmin())  # first slot that moves
         if head < n:
             assert self.buf is not None

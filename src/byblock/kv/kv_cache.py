@@ -40,14 +40,15 @@ class KVCache:
         kv_bits: int | None = None,
         window: StreamingWindow | None = None,
         per_head: H2OState | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         """kv_bits: None keeps K/V in the model dtype; 8 or 4 stores them quantized (kv/kv_quant.py).
         window: StreamingLLM eviction (None keeps everything). per_head: the per-head slot state of H2O, or of
-        SnapKV on sliding-window models (kv/h2o.py)."""
+        SnapKV on sliding-window models (kv/h2o.py). device: the model's, where slot bookkeeping lives."""
         self.hf = DynamicCache()
         self.window = window
         self.h2o = per_head
-        self.pos = torch.empty(0, dtype=torch.long)  # [length] absolute position of each slot
+        self.pos = torch.empty(0, dtype=torch.long, device=device)  # [length] absolute position of each slot
         if kv_bits is not None:
             from functools import partial
 
@@ -80,7 +81,7 @@ class KVCache:
         w = self.window
         if w is None or self.length <= w.sinks + w.window - 1:
             return
-        slots = torch.arange(self.length)
+        slots = torch.arange(self.length, device=self.pos.device)
         keep = (self.pos < w.sinks) | (slots >= self.length - (w.window - 1))
         self.keep(slots[keep])
 
@@ -109,7 +110,7 @@ class KVCache:
             if not layer.is_initialized:
                 continue
             if hasattr(layer, "select"):  # quantized or buffered storage: a crop is a prefix selection
-                layer.select(torch.arange(min(length, layer.get_seq_length())))
+                layer.select(torch.arange(min(length, layer.get_seq_length()), device=self.pos.device))
             else:
                 layer.keys = layer.keys[..., :length, :]
                 layer.values = layer.values[..., :length, :]
@@ -156,4 +157,4 @@ class KVCache:
         elif int(new_slots[-1]) == prefix_len + n - 1:  # contiguous right after the prefix
             self.crop(prefix_len + n)
         else:
-            self.keep(torch.cat([torch.arange(prefix_len), new_slots]))
+            self.keep(torch.cat([torch.arange(prefix_len, device=self.pos.device), new_slots]))

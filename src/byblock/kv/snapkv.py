@@ -55,12 +55,13 @@ def select_positions(query: torch.Tensor, key: torch.Tensor, cfg: SnapKVConfig, 
     scores = (obs @ k[:, :, :prefix].transpose(-1, -2)) * scale  # [B, H, w, prefix]
     # each observation query also sees the window keys before it; softmax over all it can see
     win = (obs @ k[:, :, prefix:].transpose(-1, -2)) * scale  # [B, H, w, w]
-    win = win.masked_fill(~torch.ones(cfg.window, cfg.window, dtype=torch.bool).tril(), float("-inf"))
+    causal = torch.ones(cfg.window, cfg.window, dtype=torch.bool, device=query.device).tril()
+    win = win.masked_fill(~causal, float("-inf"))
     attn = torch.softmax(torch.cat([scores, win], -1), dim=-1)[..., :prefix].sum(-2)  # [B, H, prefix]
     attn = attn.view(b, hkv, groups, prefix).mean(2)  # [B, Hkv, prefix]
     pooled = torch.nn.functional.max_pool1d(attn, cfg.pool, stride=1, padding=cfg.pool // 2)
     top = pooled.topk(cfg.budget, dim=-1).indices.sort(-1).values  # [B, Hkv, budget]
-    window_slots = torch.arange(prefix, length).expand(b, hkv, cfg.window)
+    window_slots = torch.arange(prefix, length, device=query.device).expand(b, hkv, cfg.window)
     return torch.cat([top, window_slots], -1)
 
 

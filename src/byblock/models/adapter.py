@@ -58,7 +58,9 @@ class TargetModel:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
-        self.dtype: torch.dtype = next(hf_model.parameters()).dtype
+        first = next(hf_model.parameters())
+        self.dtype: torch.dtype = first.dtype
+        self.device: torch.device = first.device  # every per-round tensor is built here, never on a default device
         self.kv_bits: int | None = None  # 8 / 4: int8 / int4 KV cache (kv/kv_quant.py)
         self.kv_window: StreamingWindow | None = None  # StreamingLLM sinks + window (kv/kv_cache.py)
         self.snapkv = None  # SnapKVState when SnapKV is on (kv/snapkv.py)
@@ -102,7 +104,7 @@ class TargetModel:
     def new_cache(self) -> KVCache:
         """An empty KV cache for one sequence batch (quantized when `kv_bits` is set)."""
         per_head = H2OState(self.h2o.cfg) if self.h2o is not None else None
-        return KVCache(self.kv_bits, self.kv_window, per_head)
+        return KVCache(self.kv_bits, self.kv_window, per_head, device=self.device)
 
     def tree_attention_mask(
         self,
@@ -121,16 +123,17 @@ class TargetModel:
         layers (the window is part of the mask, see kv_cache.py).
         """
         t = positions.numel()
-        allowed = torch.ones(t, past + t, dtype=torch.bool)
+        dev = self.device
+        allowed = torch.ones(t, past + t, dtype=torch.bool, device=dev)
         allowed[:, past:] = tree_mask
         neg = torch.finfo(self.dtype).min
-        kv_pos = torch.cat([torch.arange(past) if cache_pos is None else cache_pos, positions])  # [past+T]
+        kv_pos = torch.cat([torch.arange(past, device=dev) if cache_pos is None else cache_pos, positions])
         if window is not None:
             in_window = (positions[:, None] - kv_pos[None, :]) < window.window
             allowed &= in_window | (kv_pos[None, :] < window.sinks)
 
         def additive(ok: torch.Tensor) -> torch.Tensor:
-            return torch.zeros(ok.shape, dtype=self.dtype).masked_fill(~ok, neg)[None, None]
+            return torch.zeros(ok.shape, dtype=self.dtype, device=dev).masked_fill(~ok, neg)[None, None]
 
         if self.sliding_window is None:
             return additive(allowed)
@@ -198,12 +201,12 @@ class TargetModel:
             return self._windowed_prefill(input_ids, cache, logits_to_keep, hidden_layers)
         if positions is None:
             start = cache.next_position
-            positions = torch.arange(start, start + t).expand(bsz, t)
+            positions = torch.arange(start, start + t, device=self.device).expand(bsz, t)
         mask: object = attention_mask
         if cache.window is not None:
             if bsz != 1 or attention_mask is not None:
                 raise ValueError("a StreamingLLM cache decodes one sequence at a time")
-            causal = torch.ones(t, t, dtype=torch.bool).tril() if tree_mask is None else tree_mask
+            causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril() if tree_mask is None else tree_mask
             mask = self.tree_attention_mask(past, positions[0], causal, cache.pos, cache.window)
         elif tree_mask is not None:
             mask = self.tree_attention_mask(past, positions[0], tree_mask, cache.pos)
@@ -214,7 +217,7 @@ class TargetModel:
             self.h2o.positions = positions[0]
             self.h2o.parents = tree_parents(tree_mask) if tree_mask is not None else None
         if self.row_invariant:  # kernels/invariant.py: how each row splits its keys, for every layer
-            visible = torch.ones(t, t, dtype=torch.bool).tril() if tree_mask is None else tree_mask
+            visible = torch.ones(t, t, dtype=torch.bool, device=self.device).tril() if tree_mask is None else tree_mask
             self.hf.config.byblock_row_invariance.plan = RowPlan.build(past, visible) if past > 0 else None
         cache.record(positions[0])
         kwargs = {"input_ids": input_ids, "cache": cache.hf, "position_ids": positions, "attention_mask": mask}

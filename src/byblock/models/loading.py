@@ -24,11 +24,12 @@ from byblock.kernels.gqa_sdpa import enable_gqa_sdpa
 from byblock.kernels.invariant import enable_row_invariance, probe_row_invariance
 from byblock.kernels.packed_gemm import load_kernel, pack_linears
 from byblock.models.adapter import TargetModel
+from byblock.models.devices import DTYPES, resolve_device, resolve_dtype
 from byblock.models.registry import BUILTIN_MODELS, resolve_builtin
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+__all__ = ["DTYPES", "cache_root", "load_model", "load_model_config", "load_tokenizer"]
 
 
 def cache_root() -> Path:
@@ -163,7 +164,8 @@ def load_model_config(name_or_path: str = "smollm2-135m", *, trust_remote_code: 
 def load_model(
     name_or_path: str = "smollm2-135m",
     *,
-    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
     trust_remote_code: bool = False,
     attn_implementation: str = "sdpa",
     relayout: bool | str = True,
@@ -173,7 +175,10 @@ def load_model(
 
     Args:
         name_or_path: built-in name, checkpoint dir, .gguf file or hub id.
-        dtype: weights dtype ("float32" or "bfloat16").
+        device: "auto" (CUDA when a GPU is visible, else the CPU), "cpu", "cuda" or "cuda:N". Kernels are chosen
+            by it: byblock's packed fp32 GEMM, the [in, out] layouts, GQA SDPA and the bf16 row-invariance rules
+            are CPU kernels and apply on the CPU only; elsewhere transformers' own (portable) modules run.
+        dtype: weights dtype: "auto" (bfloat16 on CUDA, float32 on the CPU), "float32" or "bfloat16".
         trust_remote_code: allow code shipped with a hub checkpoint to run (off unless asked).
         attn_implementation: transformers attention backend ("sdpa" or "eager").
         relayout: True: the fastest linears available: for float32 byblock's packed-panel GEMM
@@ -182,16 +187,21 @@ def load_model(
             layouts, the kernel picked by row count; "packed": the packed GEMM or an error; False: as loaded.
         row_invariant: make decode and verify forwards compute each token's logits bitwise independently of
             how many tokens share the forward, so speculative decoding is token-identical to plain decoding
-            (kernels/invariant.py; replaces `relayout`). None: on for bfloat16, whose CPU kernels need it.
+            (kernels/invariant.py; replaces `relayout`). None: on for bfloat16 on the CPU, whose kernels need it;
+            off elsewhere (a GPU's library kernels are not row-invariant: greedy speculative output then equals
+            plain greedy output except at near-ties, see docs/devices.md).
     """
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ModelNotFoundError(f"unknown dtype '{dtype}' (choose from {', '.join(DTYPES)})")
-        dtype = DTYPES[dtype]
-    if dtype == torch.bfloat16 and not native_bf16():
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    on_cpu = device.type == "cpu"
+    if row_invariant and not on_cpu:
+        raise ByblockError("row-invariant kernels are CPU kernels; on a GPU load with row_invariant=None or False")
+    if relayout == "packed" and not on_cpu:
+        raise ByblockError("--linears packed is a CPU kernel; on a GPU use --linears auto or library")
+    if on_cpu and dtype == torch.bfloat16 and not native_bf16():
         log.warning(
             "warning: this CPU has no native bf16 (AVX512-BF16 / AMX): bf16 is emulated and runs slower than "
             "--dtype float32 here"
@@ -218,6 +228,8 @@ def load_model(
             )
     except (OSError, ValueError) as e:
         raise ModelNotFoundError(f"cannot load model '{name_or_path}': {_first_line(e)}") from e
+    if not on_cpu:  # the portable path: transformers' modules with the device's library kernels
+        return TargetModel(model.to(device).eval(), tok, name=name_or_path)
     if row_invariant is None:
         row_invariant = dtype == torch.bfloat16
     if row_invariant:

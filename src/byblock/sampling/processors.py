@@ -55,9 +55,11 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(sample(process_logits(logits, params), generator))
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator seeded from `seed` (or from fresh entropy when None)."""
-    g = torch.Generator()
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on `device` (the model's: draws happen there) seeded from `seed`, or fresh entropy when None.
+
+    The same seed on another device type draws other samples: reproducibility holds per device."""
+    g = torch.Generator(device=device)
     if seed is None:
         g.seed()
     else:

@@ -93,6 +93,14 @@ class Batch:
     soft_ids: torch.Tensor  # [b, T, k] draft-vocab ids of the target's top-k (IGNORE where unknown)
     soft_logp: torch.Tensor  # [b, T, k] their target log-probs
 
+    def to(self, device: torch.device) -> Batch:
+        """The batch on `device`: pinned and copied asynchronously to a GPU, untouched on the CPU."""
+        if device.type == "cpu":
+            return self
+        from dataclasses import fields
+
+        return Batch(**{f.name: getattr(self, f.name).pin_memory().to(device, non_blocking=True) for f in fields(self)})
+
 
 def sample_anchors(seq: Sequence, count: int, generator: torch.Generator) -> torch.Tensor:
     """Up to `count` distinct anchors, sorted (fewer when the response is short)."""

@@ -8,7 +8,8 @@ draft argmax equals the target's token, so 1 + (that prefix length) is the round
 
 Resumable: `state.pt` (model, optimizer, step) is replaced atomically every `ckpt_every` steps; batches
 depend only on (seed, rank, step), so a resumed run sees the batches the killed one would have seen.
-Runs in one process or under `torchrun --nproc_per_node=N` (DDP over gloo on CPU).
+Runs in one process or under `torchrun --nproc_per_node=N` (DDP over NCCL on GPUs, gloo on CPU), on the device
+the trainer is given (one GPU per process under torchrun: cuda:LOCAL_RANK).
 """
 
 from __future__ import annotations
@@ -76,14 +77,26 @@ class TrainConfig:
     seed: int = 0
 
 
-def _world() -> tuple[int, int]:
+def _world(device: torch.device) -> tuple[int, int]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group("gloo")
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _process_device(device: str | torch.device) -> torch.device:
+    """This process's device: under torchrun on CUDA, the GPU of its local rank."""
+    from byblock.models.devices import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type == "cuda" and dev.index is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
 
 
 def _read_manifest(data_dir: Path) -> dict:
@@ -152,19 +165,24 @@ class _Net(torch.nn.Module):
         hb = h.view(-1, self.block, hid)[:, 1:]  # [blocks, B-1, H]: positions 1..B-1
         pe = prefix_embeds.view(-1, self.block, hid)[:, :-1].to(h.dtype)  # [blocks, B-1, H]: tokens at 0..B-2
         res = self.head(hb, pe)  # [blocks, B-1, Vd]
-        zero = torch.zeros(res.shape[0], 1, res.shape[2], dtype=res.dtype)
+        zero = torch.zeros(res.shape[0], 1, res.shape[2], dtype=res.dtype, device=res.device)
         return h, torch.cat([zero, res], dim=1).view(b, t, -1)  # aligned with the block rows
 
 
 class DFlashTrainer:
     """Holds the frozen target pieces (embedding, head), the data, the draft model and its optimizer."""
 
-    def __init__(self, target_name: str, data_dir: str | Path, out_dir: str | Path, cfg: TrainConfig) -> None:
+    def __init__(
+        self, target_name: str, data_dir: str | Path, out_dir: str | Path, cfg: TrainConfig, device: str = "cpu"
+    ) -> None:
+        """device: where the drafter trains ("auto", "cpu", "cuda[:N]"); not part of the recipe, so a run may
+        resume on another device."""
         from byblock.models.loading import load_model
 
         self.cfg = cfg
+        self.device = _process_device(device)
         self.data_dir, self.out_dir = Path(data_dir), Path(out_dir)
-        self.rank, self.world = _world()
+        self.rank, self.world = _world(self.device)
         self.manifest = _read_manifest(self.data_dir)
         extra_dirs = [Path(d.strip()) for d in cfg.extra_data.split(",") if d.strip()]
         names = [d.name for d in extra_dirs]
@@ -183,7 +201,7 @@ class DFlashTrainer:
             self.train_paths += train_paths
             self.val_sets[d.name] = val_paths
             self.train_names += [f"{d.name}/{p.name}" for p in train_paths]
-        target = load_model(target_name, dtype="float32", relayout=False)
+        target = load_model(target_name, device="cpu", dtype="float32", relayout=False)  # only its tables are used
         self.target_name = target_name
         self.embed = target.hf.get_input_embeddings().weight.detach()  # [V, H] frozen
         head = target.hf.get_output_embeddings().weight.detach()  # [V, H] frozen
@@ -192,7 +210,9 @@ class DFlashTrainer:
         self.val = self.val_seqs["main"]
         self.train = [s for s in self.train if s.num_anchors > 0]
         state_path = self.out_dir / "state.pt"
-        resumed = torch.load(state_path, weights_only=False) if state_path.is_file() else None
+        # Loaded onto the CPU whatever device wrote it: load_state_dict copies into the device's parameters and
+        # the optimizer moves its state to them.
+        resumed = torch.load(state_path, weights_only=False, map_location="cpu") if state_path.is_file() else None
         if resumed is not None:
             if not same_recipe(resumed["config"], cfg) or resumed["train_paths"] != self.train_names:
                 raise ByblockError(f"{self.out_dir} holds a run with another recipe or data; use a new --out")
@@ -259,7 +279,8 @@ class DFlashTrainer:
                 self.head.load_state_dict(start_head.state_dict())
         if cfg.freeze_backbone and not cfg.domino:
             raise ByblockError("--freeze-backbone only makes sense with --domino")
-        self.net = _Net(self.model, self.head, cfg.freeze_backbone)
+        self.net = _Net(self.model, self.head, cfg.freeze_backbone).to(self.device)
+        self.embed, self.head_t = self.embed.to(self.device), self.head_t.to(self.device)
         self.weights = decay_weights(cfg.block_size, cfg.gamma or default_gamma(cfg.block_size))
         decay, no_decay = [], []
         for p in (p for p in self.net.parameters() if p.requires_grad):
@@ -280,7 +301,8 @@ class DFlashTrainer:
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.ddp = DistributedDataParallel(self.net)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp = DistributedDataParallel(self.net, device_ids=ids)
 
     # ---- one step -----------------------------------------------------------------------------------------
 
@@ -316,7 +338,7 @@ class DFlashTrainer:
         """Base logits [b, T, Vd] and, with a Domino head, teacher-forced corrected ones (else None)."""
         emb = F.embedding(batch.block_ids, self.embed)  # [b, T, H]
         prefix = F.embedding(batch.block_tokens, self.embed) if self.head is not None else None
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
             h, res = net(emb, batch.ctx_hidden.float(), batch.block_pos, batch.ctx_pos, batch.mask, prefix)
             base = h @ self.head_t  # [b, T, Vd]
         final = None if res is None else base.float() + res.float()
@@ -337,8 +359,8 @@ class DFlashTrainer:
             final_loss = (w * self._position_loss(final[sel], batch, sel)).sum() / w.sum()
             loss = lam * loss + (1 - lam) * final_loss
             scored = final[sel]
-        acc = (scored.argmax(-1) == labels).float().mean().item()
-        return loss, {"acc": acc, "positions": int(sel.sum())}
+        acc = (scored.argmax(-1) == labels).float().mean()  # a tensor: read on logging steps only (a host sync)
+        return loss, {"acc": acc}
 
     def evaluate(self) -> dict:
         """Offline τ on every held-out set: the main set's fields at top level, the others' τ as tau_NAME."""
@@ -367,6 +389,7 @@ class DFlashTrainer:
             chosen = [seqs[int(torch.randint(len(seqs), (1,), generator=g))] for _ in range(8)]
             anchors = [sample_anchors(s, 4, g) for s in chosen]
             batch = make_batch(chosen, anchors, block, self.model_cfg.mask_token_id, self.to_draft, self.weights)
+            batch = batch.to(self.device)
             base, final = self.draft_logits(batch, self.net)
             # Teacher forcing is exact here: acceptance stops at the first miss, so every position that
             # counts saw a prefix equal to the true tokens, as the Domino GRU does at inference.
@@ -468,21 +491,27 @@ class DFlashTrainer:
             lr = cosine_lr(self.step, cfg.steps, cfg.lr, cfg.warmup)
             for group in self.opt.param_groups:
                 group["lr"] = lr
-            batch = self.batch_for(self.step, self.rank)
-            loss, info = self.loss(batch, model)
+            host_batch = self.batch_for(self.step, self.rank)
+            blocks = int((host_batch.weights.view(-1, cfg.block_size) > 0).any(-1).sum())  # counted on the host
+            loss, info = self.loss(host_batch.to(self.device), model)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             trained = [p for p in self.net.parameters() if p.requires_grad]
             gnorm = torch.nn.utils.clip_grad_norm_(trained, cfg.grad_clip)
             self.opt.step()
             self.step += 1
+            # Wall time without a sync: on a GPU the launch queue is bounded, so over many steps this is the
+            # device's time too.
             self.train_seconds += time.perf_counter() - t_step
-            blocks_done += int((batch.weights.view(-1, cfg.block_size) > 0).any(-1).sum()) * self.world
-            rate = blocks_done / (time.perf_counter() - t0)
+            logging_step = self.step % 10 == 0 or self.step == end
+            blocks_done += blocks * self.world
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{info['acc']:.3f}", blocks_s=f"{rate:.0f}")
-            if logf is not None and (self.step % 10 == 0 or self.step == end):
-                row = {"step": self.step, "loss": loss.item(), "acc": info["acc"], "lr": lr, "gnorm": float(gnorm)}
+            if logging_step:  # the only host syncs of a step: loss, accuracy and the gradient norm
+                rate = blocks_done / (time.perf_counter() - t0)
+                stats = {"loss": loss.item(), "acc": info["acc"].item(), "gnorm": float(gnorm)}
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['acc']:.3f}", blocks_s=f"{rate:.0f}")
+            if logf is not None and logging_step:
+                row = {"step": self.step, "loss": stats["loss"], "acc": stats["acc"], "lr": lr, "gnorm": stats["gnorm"]}
                 logf.write(json.dumps({**row, "blocks_per_s": rate}) + "\n")
                 logf.flush()
             if self.step % cfg.ckpt_every == 0 or self.step == end:

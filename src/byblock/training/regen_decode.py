@@ -54,10 +54,11 @@ class _Row:
 
     def result(self) -> dict[str, torch.Tensor]:
         return {
-            "tokens": torch.tensor(self.prompt + self.response, dtype=torch.int32),
-            "hidden": torch.cat(self.hidden),  # [P + R - 1, kH]: every token but the last was fed
-            "topk_ids": torch.stack(self.top_ids),  # [R, k]
-            "topk_logp": torch.stack(self.top_lp),  # [R, k]
+            "tokens": torch.tensor(self.prompt + self.response, dtype=torch.int32, device="cpu"),
+            # results go to disk: moved off the model's device once per finished row
+            "hidden": torch.cat(self.hidden).cpu(),  # [P + R - 1, kH]: every token but the last was fed
+            "topk_ids": torch.stack(self.top_ids).cpu(),  # [R, k]
+            "topk_logp": torch.stack(self.top_lp).cpu(),  # [R, k]
         }
 
 
@@ -67,11 +68,12 @@ class ContinuousDecoder:
     def __init__(self, hf_model: torch.nn.Module, settings: DecodeSettings) -> None:
         self.hf = hf_model
         self.s = settings
+        self.dev = dev = next(hf_model.parameters()).device  # every batch tensor lives beside the model
         self.rows: list[_Row] = []
         self.cache = None
-        self.attn = torch.zeros(0, 0, dtype=torch.bool)  # [b, L] which slots each row may attend to
-        self.next_pos = torch.zeros(0, dtype=torch.long)  # [b] position of the token each row feeds next
-        self.logits = torch.zeros(0, 0)  # [b, V] each row's next-token logits
+        self.attn = torch.zeros(0, 0, dtype=torch.bool, device=dev)  # [b, L] which slots each row may attend to
+        self.next_pos = torch.zeros(0, dtype=torch.long, device=dev)  # [b] position of the token each row feeds next
+        self.logits = torch.zeros(0, 0, device=dev)  # [b, V] each row's next-token logits
 
     def _features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return torch.cat([hidden_states[i + 1] for i in self.s.layer_ids], dim=-1)  # [b, T, kH]
@@ -80,18 +82,17 @@ class ContinuousDecoder:
     def _admit(self, jobs: list[tuple[int, list[int], int]]) -> None:
         """Prefill `jobs` as a left-padded mini-batch and merge them into the running batch."""
         prompts = [p for _, p, _ in jobs]
-        n, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((n, width), self.s.pad_id, dtype=torch.long)  # [n, P]
-        attn = torch.zeros((n, width), dtype=torch.bool)  # [n, P]
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            attn[i, width - len(p) :] = True
+        width = max(len(p) for p in prompts)
+        rows = [[self.s.pad_id] * (width - len(p)) + p for p in prompts]
+        ids = torch.tensor(rows, dtype=torch.long, device=self.dev)  # [n, P]
+        lens = torch.tensor([len(p) for p in prompts], device=self.dev)
+        attn = torch.arange(width, device=self.dev)[None, :] >= (width - lens)[:, None]  # [n, P]
         pos = (attn.long().cumsum(-1) - 1).clamp(min=0)  # [n, P]
         # Explicit 4-D boolean masks: with a 2-D padding mask transformers builds its own and decode steps run
         # ~7x slower on CPU. A padding query sees itself so no row is empty (an all-masked row would put NaN
         # into the cache).
-        causal = torch.tril(torch.ones(width, width, dtype=torch.bool))
-        mask = (causal[None] & attn[:, None, :]) | torch.eye(width, dtype=torch.bool)[None]
+        causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=self.dev))
+        mask = (causal[None] & attn[:, None, :]) | torch.eye(width, dtype=torch.bool, device=self.dev)[None]
         cache = buffered_cache()
         out = self.hf(
             input_ids=ids,
@@ -104,12 +105,12 @@ class ContinuousDecoder:
         )
         feats = self._features(out.hidden_states)  # [n, P, kH]
         for i, (key, p, seed) in enumerate(jobs):
-            gen = torch.Generator().manual_seed(seed) if self.s.temperature > 0 else None
+            gen = torch.Generator(device=self.dev).manual_seed(seed) if self.s.temperature > 0 else None
             row = _Row(key, p, gen)
             row.hidden.append(feats[i, width - len(p) :].to(torch.bfloat16))
             self.rows.append(row)
         logits = out.logits[:, -1].float()  # [n, V]
-        next_pos = torch.tensor([len(p) for p in prompts])
+        next_pos = lens
         if self.cache is None:
             self.cache, self.attn, self.next_pos, self.logits = cache, attn, next_pos, logits
             return
@@ -134,7 +135,9 @@ class ContinuousDecoder:
         stream."""
         if self.s.temperature <= 0:
             return logp.argmax(-1)
-        u = torch.stack([torch.rand(logp.shape[-1], generator=r.generator) for r in self.rows]).clamp_min(1e-20)
+        vocab = logp.shape[-1]
+        u = torch.stack([torch.rand(vocab, generator=r.generator, device=self.dev) for r in self.rows])
+        u = u.clamp_min(1e-20)
         return (logp / self.s.temperature - torch.log(-torch.log(u))).argmax(-1)
 
     @torch.inference_mode()
@@ -145,8 +148,9 @@ class ContinuousDecoder:
         lp, li = logp.topk(self.s.topk, dim=-1)  # [b, k]
         keep: list[int] = []
         done: list[_Row] = []
+        picked = nxt.tolist()  # one host sync per step for the whole batch
         for r, row in enumerate(self.rows):
-            tok = int(nxt[r])
+            tok = picked[r]
             row.response.append(tok)
             row.top_ids.append(li[r].to(torch.int32))
             row.top_lp.append(lp[r].to(torch.float16))
@@ -158,7 +162,7 @@ class ContinuousDecoder:
             self.rows, self.cache = [], None
             return done
         if done:
-            idx = torch.tensor(keep, dtype=torch.long)
+            idx = torch.tensor(keep, dtype=torch.long, device=self.dev)
             self.rows = [self.rows[r] for r in keep]
             self.attn, self.next_pos, nxt = self.attn[idx], self.next_pos[idx], nxt[idx]
             self.cache.batch_select_indices(idx)
@@ -167,7 +171,7 @@ class ContinuousDecoder:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[..., lead:, :], layer.values[..., lead:, :]
             self.attn = self.attn[:, lead:]
-        self.attn = torch.cat([self.attn, torch.ones(len(self.rows), 1, dtype=torch.bool)], dim=-1)
+        self.attn = torch.cat([self.attn, torch.ones(len(self.rows), 1, dtype=torch.bool, device=self.dev)], dim=-1)
         out = self.hf(
             input_ids=nxt[:, None],
             attention_mask=self.attn[:, None, None, :],  # [b, 1, 1, L+1]

@@ -134,8 +134,11 @@ def _add_stats(out_dir: Path, sequences: int, tokens: int, seconds: float) -> No
     os.replace(tmp, path)
 
 
-def regenerate(cfg: RegenConfig, out_dir: str | Path, progress: bool = True) -> dict:
-    """Run (or resume) regeneration into `out_dir`; return a summary (shards, sequences, tokens, seconds)."""
+def regenerate(cfg: RegenConfig, out_dir: str | Path, progress: bool = True, device: str = "auto") -> dict:
+    """Run (or resume) regeneration into `out_dir` on `device`; return a summary (shards, sequences, tokens).
+
+    The device is not part of the manifest: a run may resume on another one (greedy answers may then differ at
+    near-ties, as any two kernels' may; sampled answers draw from the device's own generator)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -144,7 +147,7 @@ def regenerate(cfg: RegenConfig, out_dir: str | Path, progress: bool = True) -> 
 
     out_dir = Path(out_dir)
     # Batched regeneration is not a verify path: plain kernels (row invariance would only slow it down).
-    target = load_model(cfg.target, dtype=cfg.dtype, relayout=False, row_invariant=False)
+    target = load_model(cfg.target, device=device, dtype=cfg.dtype, relayout=False, row_invariant=False)
     bad = [i for i in cfg.layer_ids if not 0 <= i < target.num_layers]
     if bad:
         raise ByblockError(f"layer ids {bad} out of range for a {target.num_layers}-layer target")

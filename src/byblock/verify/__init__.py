@@ -30,7 +30,7 @@ def verify(
     """
     if params.greedy:
         return verify_greedy(draft, target_logits)
-    noise = Noise.draw(draft.num_nodes, target_logits.shape[-1], generator)
+    noise = Noise.draw(draft.num_nodes, target_logits.shape[-1], generator, target_logits.device)
     if draft.q is not None and draft.is_chain and draft.num_nodes:
         return rejection_chain(draft, ProcessedRows(target_logits, params), noise)
     return walk_sampled(draft, target_logits, params, noise)

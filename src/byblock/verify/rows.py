@@ -44,6 +44,7 @@ class TargetRows:
         self._first = max(1, first)
         self._rows: dict[int, torch.Tensor] = {}
         self.shape = (final.shape[0], vocab)
+        self.device = final.device
         self.head_calls = 0  # passes of the head (each streams its weights once)
 
     def __len__(self) -> int:

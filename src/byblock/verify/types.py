@@ -41,21 +41,30 @@ class Draft:
         n = self.tokens.numel()
         if self.parents.numel() != n:
             raise ValueError("tokens and parents must have the same length")
-        if n and bool((self.parents >= torch.arange(n)).any()):
+        dev = self.parents.device
+        if n and bool((self.parents >= torch.arange(n, device=dev)).any()):
             raise ValueError("draft nodes must be in topological order (parent < child)")
-        chain = n == 0 or bool(torch.equal(self.parents, torch.arange(-1, n - 1)))
+        chain = n == 0 or bool(torch.equal(self.parents, torch.arange(-1, n - 1, device=dev)))
         object.__setattr__(self, "is_chain", chain)
 
     @staticmethod
     def chain(tokens: torch.Tensor | list[int], q: torch.Tensor | None = None) -> Draft:
-        """A linear draft: tokens[i] follows tokens[i-1]."""
-        tokens = torch.as_tensor(tokens, dtype=torch.long)
-        return Draft(tokens=tokens, parents=torch.arange(-1, tokens.numel() - 1), q=q)
+        """A linear draft: tokens[i] follows tokens[i-1] (a list becomes host metadata, on the CPU)."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=tokens.device if torch.is_tensor(tokens) else "cpu")
+        return Draft(tokens=tokens, parents=torch.arange(-1, tokens.numel() - 1, device=tokens.device), q=q)
+
+    @staticmethod
+    def tree(tokens: list[int], parents: list[int]) -> Draft:
+        """A tree built on the host (lookup tries, best-first trees): host metadata, on the CPU."""
+        return Draft(
+            tokens=torch.tensor(tokens, dtype=torch.long, device="cpu"),
+            parents=torch.tensor(parents, dtype=torch.long, device="cpu"),
+        )
 
     @staticmethod
     def empty() -> Draft:
         """No candidates: the round degenerates to one plain decoding step."""
-        return Draft.chain(torch.zeros(0, dtype=torch.long))
+        return Draft.chain([])
 
     @property
     def num_nodes(self) -> int:
@@ -65,21 +74,23 @@ class Draft:
     def depths(self) -> torch.Tensor:
         """[N] int64: 1 for children of the root, parent depth + 1 otherwise."""
         if self.is_chain:
-            return torch.arange(1, self.num_nodes + 1)
+            return torch.arange(1, self.num_nodes + 1, device=self.parents.device)
         depth = [0] * self.num_nodes
         for i, p in enumerate(self.parents.tolist()):
             depth[i] = 1 if p < 0 else depth[p] + 1
-        return torch.tensor(depth, dtype=torch.long)
+        return torch.tensor(depth, dtype=torch.long, device=self.parents.device)
 
-    def ancestor_mask(self) -> torch.Tensor:
-        """[N+1, N+1] bool over (root, nodes): True where row may attend column (itself or an ancestor)."""
+    def ancestor_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """[N+1, N+1] bool over (root, nodes): True where row may attend column (itself or an ancestor).
+
+        Built row by row where the parents live (host metadata), then moved to `device` in one copy."""
         n = self.num_nodes
-        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        mask = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=self.parents.device)
         mask[0, 0] = True
         for i, p in enumerate(self.parents.tolist()):
             mask[i + 1] = mask[p + 1]  # the parent's row (root when p == -1) ...
             mask[i + 1, i + 1] = True  # ... plus itself
-        return mask
+        return mask if device is None else mask.to(device)
 
     def children(self) -> list[list[int]]:
         """children()[p + 1] lists the node indices whose parent is p (index 0 = the root)."""
@@ -121,12 +132,15 @@ class Noise:
     _rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @staticmethod
-    def draw(num_nodes: int, vocab: int, generator: torch.Generator | None) -> Noise:
-        """Noise for a draft of `num_nodes` nodes over a vocabulary of `vocab`; rows of e follow on demand."""
-        return Noise(u=torch.rand(num_nodes, generator=generator), vocab=vocab, generator=generator)
+    def draw(num_nodes: int, vocab: int, generator: torch.Generator | None, device: torch.device) -> Noise:
+        """Noise for a draft of `num_nodes` nodes over a vocabulary of `vocab` on `device` (the target logits',
+        and the generator's when one is given); rows of e follow on demand."""
+        u = torch.rand(num_nodes, generator=generator, device=device)
+        return Noise(u=u, vocab=vocab, generator=generator)
 
     def exp_row(self, row: int) -> torch.Tensor:
         """[V] Exp(1) variates for scored position `row` (0 = the root): fresh on first use, then the same."""
         if row not in self._rows:
-            self._rows[row] = torch.empty(self.vocab).exponential_(1.0, generator=self.generator)
+            row_e = torch.empty(self.vocab, device=self.u.device)
+            self._rows[row] = row_e.exponential_(1.0, generator=self.generator)
         return self._rows[row]
