@@ -64,7 +64,7 @@ def run_dllm(args: argparse.Namespace) -> int:
 
     if args.drafter != "none":
         raise ByblockError("--drafter is for autoregressive models; diffusion models take --sampler")
-    loaded = load_dllm(args.model, dtype=DTYPES[args.dtype])
+    loaded = load_dllm(args.model, dtype=DTYPES[args.dtype], device=args.device)
     max_new = args.max_new_tokens or int(loaded.meta.get("max_new_tokens", 256))
     cfg = dllm_config(args, loaded, max_new, args.temperature, args.seed)
     tok = loaded.tokenizer

@@ -99,7 +99,7 @@ def _dllm_core(args: argparse.Namespace):
 
     if args.drafter:
         raise ByblockError("--drafter is for autoregressive models; diffusion models take --sampler")
-    loaded = load_dllm(args.model, dtype=DTYPES[args.dtype])
+    loaded = load_dllm(args.model, dtype=DTYPES[args.dtype], device=args.device)
     cfg = dllm_config(args, loaded, max_new_tokens=args.max_tokens)
     tokenizing = TargetModel(loaded.denoiser.hf, loaded.tokenizer, name=args.model)  # the handlers' tokenizer view
     return tokenizing, DllmEngineCore(loaded.denoiser, loaded.tokenizer, loaded.eos_token_ids, cfg), "none"

@@ -31,35 +31,39 @@ class _BatchSession:
 
     def __init__(self, model: MaskDenoiser, prompts: list[list[int]], pad_id: int) -> None:
         self.m = model
+        self.device = dev = model.device
         width = max(len(p) for p in prompts)
-        self.pad = torch.tensor([width - len(p) for p in prompts])  # [B] left-pad per row
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # [B, P]
+        self.pad = torch.tensor([width - len(p) for p in prompts], device=dev)  # [B] left-pad per row
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=dev)  # [B, P]
         self.valid = ids.new_ones(ids.shape, dtype=torch.bool)
-        self.valid &= torch.arange(width)[None, :] >= self.pad[:, None]  # [B, P] real (non-pad) slots
-        self.cache = KVCache()
-        causal = torch.tril(torch.ones(width, width, dtype=torch.bool))
+        self.valid &= torch.arange(width, device=dev)[None, :] >= self.pad[:, None]  # [B, P] real (non-pad) slots
+        self.cache = KVCache(device=dev)
+        causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=dev))
         allowed = causal[None] & self.valid[:, None, :]  # [B, P, P]
-        allowed |= torch.eye(width, dtype=torch.bool)[None]  # pad queries see themselves (no all-masked rows)
+        # pad queries see themselves (no all-masked rows)
+        allowed |= torch.eye(width, dtype=torch.bool, device=dev)[None]
         self._forward(ids, allowed)
 
     def _positions(self, start: int, t: int) -> torch.Tensor:
         """[B, t] RoPE positions: slot index minus the row's padding (a row's first real token is position 0)."""
-        return (torch.arange(start, start + t)[None, :] - self.pad[:, None]).clamp_min(0)
+        return (torch.arange(start, start + t, device=self.device)[None, :] - self.pad[:, None]).clamp_min(0)
 
     def _forward(self, ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """ids [B, t] appended after the cache; allowed [B, t, past+t] bool -> logits [B, t, V]."""
         past = self.cache.length
         neg = torch.finfo(self.m.dtype).min
-        mask = torch.zeros(allowed.shape, dtype=self.m.dtype).masked_fill(~allowed, neg)[:, None]
+        mask = torch.zeros(allowed.shape, dtype=self.m.dtype, device=self.device).masked_fill(~allowed, neg)[:, None]
         pos = self._positions(past, ids.shape[1])
         return self.m.hf(
             input_ids=ids, cache=self.cache.hf, position_ids=pos, attention_mask=mask, use_cache=True
         ).logits
 
     def _block_allowed(self, t: int) -> torch.Tensor:
-        past = self.cache.length
-        seen = torch.cat([self.valid, torch.ones(self.valid.shape[0], past - self.valid.shape[1], dtype=torch.bool)], 1)
-        return torch.cat([seen[:, None, :].expand(-1, t, -1), torch.ones(seen.shape[0], t, t, dtype=torch.bool)], dim=2)
+        past, b = self.cache.length, self.valid.shape[0]
+        later = torch.ones(b, past - self.valid.shape[1], dtype=torch.bool, device=self.device)  # committed blocks
+        seen = torch.cat([self.valid, later], 1)
+        block = torch.ones(b, t, t, dtype=torch.bool, device=self.device)
+        return torch.cat([seen[:, None, :].expand(-1, t, -1), block], dim=2)
 
     @torch.inference_mode()
     def denoise(self, canvas: torch.Tensor) -> torch.Tensor:
@@ -91,7 +95,8 @@ def diffusion_generate_batch(
     start = time.perf_counter()
     b = len(prompts)
     seeds = seeds if seeds is not None else [cfg.seed] * b
-    gens = [make_generator(s) for s in seeds]
+    device = model.device
+    gens = [make_generator(s, device) for s in seeds]
     block = cfg.block_size or model.default_block_size
     session = _BatchSession(model, prompts, pad_id=0)
     rule = make_rule(cfg)
@@ -102,11 +107,11 @@ def diffusion_generate_batch(
     reasons = ["length"] * b
     steps_cap = cfg.steps or block
     schedule = transfer_schedule(block, steps_cap) if cfg.sampler is SamplerKind.LOW_CONFIDENCE else None
-    canvas = torch.full((b, block), mask_id)
+    canvas = torch.full((b, block), mask_id, device=device)
     for blk in range(math.ceil(cfg.max_new_tokens / block)):
         if blk:
             session.commit(canvas)
-            canvas = torch.full((b, block), mask_id)
+            canvas = torch.full((b, block), mask_id, device=device)
         steps = [0] * b
         while bool((canvas == mask_id).any()):
             logits = session.denoise(canvas)  # [B, L, V], one forward for every row
@@ -115,7 +120,9 @@ def diffusion_generate_batch(
                 if not bool(row_masked.any()):
                     continue  # this row's block is decided: it waits
                 tokens, conf, ent = propose(logits[i : i + 1], cfg.temperature, mask_id, gens[i])
-                k = torch.tensor([schedule[steps[i]] if schedule and steps[i] < len(schedule) else block])
+                k = torch.tensor(
+                    [schedule[steps[i]] if schedule and steps[i] < len(schedule) else block], device=device
+                )
                 capped = schedule is None and steps[i] + 1 >= steps_cap
                 reveal = row_masked if capped else rule(conf, row_masked, ent, k)
                 canvas[i : i + 1] = torch.where(reveal, tokens, canvas[i : i + 1])

@@ -29,6 +29,7 @@ class Session(Protocol):
     """One request's view of a diffusion model."""
 
     length: int  # committed tokens (prompt + finished blocks)
+    device: torch.device  # the model's: the canvas and every per-step tensor are made here
 
     def denoise(self, canvas: torch.Tensor, self_cond: torch.Tensor | None) -> torch.Tensor:
         """canvas [B, L] -> logits [B, L, V] (float32); reads, never writes, the committed context."""
@@ -43,6 +44,7 @@ class Denoiser(Protocol):
     """A diffusion model byblock can decode."""
 
     vocab_size: int
+    device: torch.device  # where the weights live: every per-request tensor is made here
     mask_token_id: int | None  # None: a uniform-state model (renoise sampler only)
     default_block_size: int
     uses_self_conditioning: bool
@@ -58,17 +60,19 @@ class _Segment:
     bidirectional: bool
 
 
-def segment_mask(segments: list[tuple[int, bool]], dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, T, T] mask for consecutive segments (length, bidirectional): a token sees every earlier
-    segment, and inside its own segment either everything (bidirectional) or only what precedes it."""
-    seg_id = torch.cat([torch.full((n,), i) for i, (n, _) in enumerate(segments)])
-    bidi = torch.tensor([b for _, b in segments])[seg_id]  # [T]
+def segment_mask(
+    segments: list[tuple[int, bool]], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Additive [1, 1, T, T] mask on `device` for consecutive segments (length, bidirectional): a token sees every
+    earlier segment, and inside its own segment either everything (bidirectional) or only what precedes it."""
+    seg_id = torch.cat([torch.full((n,), i, device=device) for i, (n, _) in enumerate(segments)])
+    bidi = torch.tensor([b for _, b in segments], device=device)[seg_id]  # [T]
     t = seg_id.numel()
-    pos = torch.arange(t)
+    pos = torch.arange(t, device=device)
     earlier = seg_id[None, :] < seg_id[:, None]
     same = seg_id[None, :] == seg_id[:, None]
     ok = earlier | (same & (bidi[:, None] | (pos[None, :] <= pos[:, None])))
-    return torch.zeros(t, t, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)[None, None]
+    return torch.zeros(t, t, dtype=dtype, device=device).masked_fill(~ok, torch.finfo(dtype).min)[None, None]
 
 
 class MaskDenoiser:
@@ -88,6 +92,11 @@ class MaskDenoiser:
         self.vocab_size = int(hf_model.config.get_text_config().vocab_size)
         self.dtype = next(hf_model.parameters()).dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are now (read per request, so a model moved after wrapping is followed)."""
+        return next(self.hf.parameters()).device
+
     def session(self, prompt_ids: torch.Tensor, cache: CacheMode) -> _MaskSession:
         """Commit the prompt (causal) and return the request's session."""
         return _MaskSession(self, prompt_ids, cache)
@@ -104,20 +113,22 @@ class _MaskSession:
         if not model.full_bidirectional and cache is CacheMode.PREFIX:
             cache = CacheMode.EXACT  # block-causal: the prefix never sees the canvas, so its cache is exact
         self.m = model
+        self.device = model.device  # the request's tensors live with the weights
         self.mode = cache
         self.segments = [_Segment(prompt_ids, bidirectional=model.full_bidirectional)]
         self.length = prompt_ids.shape[1]
-        self.cache = KVCache()
+        self.cache = KVCache(device=self.device)
         self.block_started = False  # PREFIX: the prefix K/V of the current block are cached
         if cache is CacheMode.EXACT:
             self._forward(prompt_ids, self.cache.hf, start=0, mask=None)
 
     def _forward(self, ids: torch.Tensor, cache, start: int, mask: torch.Tensor | None) -> torch.Tensor:
-        pos = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+        pos = torch.arange(start, start + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
         return self.m.hf(input_ids=ids, cache=cache, position_ids=pos, attention_mask=mask, use_cache=True).logits
 
     def _bidi_mask(self, past: int, t: int) -> torch.Tensor:
-        return torch.zeros(1, 1, t, past + t, dtype=self.m.dtype)  # all of the past plus the whole block
+        # all of the past plus the whole block
+        return torch.zeros(1, 1, t, past + t, dtype=self.m.dtype, device=self.device)
 
     @torch.inference_mode()
     def denoise(self, canvas: torch.Tensor, self_cond: torch.Tensor | None) -> torch.Tensor:
@@ -135,10 +146,10 @@ class _MaskSession:
         segs = [*self.segments, _Segment(canvas, bidirectional=True)]
         ids = torch.cat([s.tokens for s in segs], dim=1)
         if self.m.full_bidirectional:
-            mask = torch.zeros(1, 1, ids.shape[1], ids.shape[1], dtype=self.m.dtype)
+            mask = torch.zeros(1, 1, ids.shape[1], ids.shape[1], dtype=self.m.dtype, device=self.device)
         else:
-            mask = segment_mask([(s.tokens.shape[1], s.bidirectional) for s in segs], self.m.dtype)
-        fresh = KVCache()
+            mask = segment_mask([(s.tokens.shape[1], s.bidirectional) for s in segs], self.m.dtype, self.device)
+        fresh = KVCache(device=self.device)
         logits = self._forward(ids, fresh.hf, 0, mask)[:, -canvas.shape[1] :].float()
         if self.mode is CacheMode.PREFIX:  # keep the prefix K/V of this full pass for the block's later steps
             fresh.crop(self.length)
@@ -167,6 +178,11 @@ class GemmaDenoiser:
         self.default_block_size = int(hf_model.config.canvas_length)
         self.vocab_size = int(hf_model.config.get_text_config().vocab_size)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are now (read per request, so a model moved after wrapping is followed)."""
+        return next(self.hf.parameters()).device
+
     def session(self, prompt_ids: torch.Tensor, cache: CacheMode) -> _GemmaSession:
         """Encode the prompt causally into a fresh cache (EXACT) and return the request's session."""
         return _GemmaSession(self, prompt_ids, cache)
@@ -176,6 +192,7 @@ class _GemmaSession:
     def __init__(self, model: GemmaDenoiser, prompt_ids: torch.Tensor, cache: CacheMode) -> None:
         cache = CacheMode.EXACT if cache is CacheMode.PREFIX else cache  # a causal encoder's prefix is exact
         self.m = model
+        self.device = model.device  # the request's tensors live with the weights
         self.mode = cache
         self.committed = prompt_ids
         self.length = prompt_ids.shape[1]
@@ -186,10 +203,11 @@ class _GemmaSession:
     def _new_cache(self):
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.m.hf.config.get_text_config(decoder=True))
+        with torch.device(self.device):  # its sliding layers make a bookkeeping tensor with no device argument
+            return DynamicCache(config=self.m.hf.config.get_text_config(decoder=True))
 
     def _encode(self, cache, ids: torch.Tensor, start: int) -> None:
-        pos = torch.arange(start, start + ids.shape[1])[None]
+        pos = torch.arange(start, start + ids.shape[1], device=self.device)[None]
         self.m.hf.model.encoder(input_ids=ids, cache=cache, position_ids=pos)
 
     @torch.inference_mode()
@@ -199,7 +217,7 @@ class _GemmaSession:
         if self.mode is CacheMode.NONE:
             cache = self._new_cache()
             self._encode(cache, self.committed, 0)
-        pos = torch.arange(self.length, self.length + canvas.shape[1])[None]
+        pos = torch.arange(self.length, self.length + canvas.shape[1], device=self.device)[None]
         out = self.m.hf(
             decoder_input_ids=canvas, cache=cache, self_conditioning_logits=self_cond, decoder_position_ids=pos
         )

@@ -18,12 +18,12 @@ def select_factor(conf: torch.Tensor, masked: torch.Tensor, factor: float) -> to
     """conf: [B, L]; masked: [B, L] bool. Returns [B, L] bool."""
     c = conf.masked_fill(~masked, float("-inf"))
     sorted_c, order = torch.sort(c, dim=-1, descending=True, stable=True)  # [B, L]
-    n = torch.arange(1, c.shape[-1] + 1, dtype=c.dtype)
+    n = torch.arange(1, c.shape[-1] + 1, dtype=c.dtype, device=c.device)
     thresh = 1.0 - factor / (n + 1.0)
     thresh[0] = float("-inf")  # at least one token per step
     count = torch.cumprod((sorted_c >= thresh).long(), dim=-1).sum(-1)  # [B]: length of the passing prefix
     count = torch.minimum(count, masked.sum(-1))
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(c.shape[-1]).expand_as(order))
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(c.shape[-1], device=c.device).expand_as(order))
     return masked & (rank < count[:, None])
 
 

@@ -74,13 +74,14 @@ def iter_blocks(model: Denoiser, prompt_ids: list[int], cfg: DllmConfig) -> Iter
     Each block is committed to the session only when the next one is asked for, so the last block of a
     request never costs a commit pass."""
     check_sampler(model, cfg)
-    generator = make_generator(cfg.seed)
+    device = model.device
+    generator = make_generator(cfg.seed, device)
     block = cfg.block_size or model.default_block_size
-    session = model.session(torch.tensor([prompt_ids]), cfg.cache)
+    session = model.session(torch.tensor([prompt_ids], device=device), cfg.cache)
     last_block: list[int] = []
     while True:
         if last_block:
-            session.commit(torch.tensor([last_block]))
+            session.commit(torch.tensor([last_block], device=device))
         if cfg.sampler is SamplerKind.RENOISE:
             last_block, steps = _renoise_block(session, model, block, cfg, generator)
         else:
@@ -116,7 +117,8 @@ def _mask_block(session, model: Denoiser, block: int, cfg: DllmConfig, generator
     mask_id = model.mask_token_id
     assert mask_id is not None
     rule = make_rule(cfg)
-    canvas = torch.full((1, block), mask_id)
+    device = session.device
+    canvas = torch.full((1, block), mask_id, device=device)
     steps_cap = cfg.steps or block
     schedule = transfer_schedule(block, steps_cap) if cfg.sampler is SamplerKind.LOW_CONFIDENCE else None
     steps = 0
@@ -124,7 +126,7 @@ def _mask_block(session, model: Denoiser, block: int, cfg: DllmConfig, generator
         logits = session.denoise(canvas, None)  # [1, L, V]
         tokens, conf, ent = propose(logits, cfg.temperature, mask_id, generator)
         masked = canvas == mask_id
-        k = torch.tensor([schedule[steps] if schedule and steps < len(schedule) else block])
+        k = torch.tensor([schedule[steps] if schedule and steps < len(schedule) else block], device=device)
         capped = schedule is None and steps + 1 >= steps_cap  # the step cap: decide everything left
         reveal = masked if capped else rule(conf, masked, ent, k)
         canvas = torch.where(reveal, tokens, canvas)
@@ -135,7 +137,7 @@ def _mask_block(session, model: Denoiser, block: int, cfg: DllmConfig, generator
 def _renoise_block(session, model: Denoiser, block: int, cfg: DllmConfig, generator) -> tuple[list[int], int]:
     """Denoise one uniform-random canvas until stable and confident, or N steps; emit its argmax."""
     n = cfg.steps or 48
-    state = init_state(1, block, model.vocab_size, cfg.stability, generator)
+    state = init_state(1, block, model.vocab_size, cfg.stability, generator, session.device)
     steps = 0
     for cur_step in range(n, 0, -1):
         logits = session.denoise(state.canvas, state.self_cond)

@@ -48,8 +48,8 @@ def is_dllm_checkpoint(name_or_path: str) -> bool:
     return json.loads((path / "config.json").read_text()).get("model_type") == "diffusion_gemma"
 
 
-def load_dllm(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedDllm:
-    """Load a diffusion checkpoint directory (one-line errors for anything else)."""
+def load_dllm(name_or_path: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> LoadedDllm:
+    """Load a diffusion checkpoint directory onto `device` (one-line errors for anything else)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from byblock.models.loading import _quiet_transformers
@@ -68,12 +68,12 @@ def load_dllm(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedDl
             mask_id, block = int(meta["mask_token_id"]), int(meta["block_size"])
         except (ValueError, KeyError, TypeError) as e:
             raise ByblockError(f"{path / DLLM_CONFIG} is malformed: {e}") from None
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
         denoiser: Denoiser = MaskDenoiser(hf, mask_id, block, bool(meta.get("full_bidirectional", False)))
     else:
         from transformers import DiffusionGemmaForBlockDiffusion
 
-        hf = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype)
+        hf = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype).to(device)
         denoiser = GemmaDenoiser(hf)
     eos = getattr(hf.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
     eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))

@@ -22,7 +22,7 @@ def select_low_confidence(conf: torch.Tensor, masked: torch.Tensor, k: torch.Ten
     """
     c = conf.masked_fill(~masked, float("-inf"))
     order = torch.sort(c, dim=-1, descending=True, stable=True).indices  # [B, L]
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(c.shape[-1]).expand_as(order))
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(c.shape[-1], device=c.device).expand_as(order))
     return masked & (rank < k[:, None])
 
 

@@ -31,15 +31,23 @@ class RenoiseState:
     done: torch.Tensor  # [B] bool
 
 
-def init_state(batch: int, length: int, vocab: int, stability: int, generator: torch.Generator | None) -> RenoiseState:
-    """A canvas of uniform random tokens (one randint draw, as transformers)."""
-    canvas = torch.randint(0, vocab, (batch, length), generator=generator)
+def init_state(
+    batch: int,
+    length: int,
+    vocab: int,
+    stability: int,
+    generator: torch.Generator | None,
+    device: torch.device | str = "cpu",
+) -> RenoiseState:
+    """A canvas of uniform random tokens (one randint draw, as transformers) on `device`, the model's (the
+    generator must live there too)."""
+    canvas = torch.randint(0, vocab, (batch, length), generator=generator, device=device)
     return RenoiseState(
         canvas=canvas,
         argmax=canvas,
         self_cond=None,
-        history=torch.full((stability, batch, length), -1),
-        done=torch.zeros(batch, dtype=torch.bool),
+        history=torch.full((stability, batch, length), -1, device=device),
+        done=torch.zeros(batch, dtype=torch.bool, device=device),
     )
 
 
@@ -48,14 +56,15 @@ def renoise_step(
 ) -> int:
     """Advance the canvas by one step given its logits [B, L, V]; returns how many positions were accepted."""
     b, length, vocab = logits.shape
+    device = logits.device
     n = cfg.steps or 48
-    frac = torch.tensor(cur_step, dtype=torch.int32) / n  # float32, exactly as transformers computes it
+    frac = torch.tensor(cur_step, dtype=torch.int32, device=device) / n  # float32, exactly as transformers computes it
     proc = logits / (cfg.t_min + (cfg.t_max - cfg.t_min) * frac)
     probs = torch.softmax(proc, -1, dtype=torch.float32)
     sampled = torch.multinomial(probs.view(-1, vocab), 1, generator=generator).view(b, length)
     new_argmax = proc.argmax(-1)
     accepted = select_entropy_bound(entropy(proc), torch.ones_like(sampled, dtype=torch.bool), cfg.entropy_bound)
-    noise = torch.randint(0, vocab, (b, length), generator=generator)
+    noise = torch.randint(0, vocab, (b, length), generator=generator, device=device)
     new_canvas = torch.where(accepted, sampled, noise)
     done = state.done
     if done.any():  # finished rows keep their canvas, answer and conditioning
@@ -63,7 +72,7 @@ def renoise_step(
         new_canvas = torch.where(done[:, None], state.canvas, new_canvas)
         proc = torch.where(done[:, None, None], state.self_cond, proc)
     if cfg.stability == 0:
-        stable = torch.ones(b, dtype=torch.bool)
+        stable = torch.ones(b, dtype=torch.bool, device=device)
     else:
         stable = (state.history == new_argmax[None]).all(-1).all(0)
         state.history = torch.roll(state.history, -1, 0)

@@ -159,12 +159,13 @@ def solve_ar(model, tok, puzzle: str) -> str:
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    ids = torch.tensor([puzzle_prompt(tok, puzzle)])
+    device = next(model.parameters()).device
+    ids = torch.tensor([puzzle_prompt(tok, puzzle)], device=device)
     out: list[int] = []
     for _ in range(len(puzzle)):
         nxt = int(model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].argmax())
         out.append(nxt)
-        ids = torch.tensor([[nxt]])
+        ids = torch.tensor([[nxt]], device=device)
     return tok.decode(out)
 
 
