@@ -39,6 +39,9 @@ def speculative_decode(
     layers = drafter.hidden_layers
     dev = target.device  # draft metadata (tokens, parents, paths) stays on the host; what the model reads goes here
     clock = device_clock(dev)  # on a GPU, waits for the queued work: draft and verify times are the device's
+    # On the CPU the head runs only on the rows a walk reads (compute saved); on a GPU the head over every row
+    # costs about what one row does, and dense logits let greedy verification sync once per round.
+    lazy_head = dev.type == "cpu"
     cache = target.new_cache()
     out = target.forward(
         torch.tensor([prompt_ids], device=dev), cache, logits_to_keep=1, hidden_layers=layers
@@ -65,7 +68,7 @@ def speculative_decode(
             positions = torch.tensor([[root_pos + d for d in depths]], device=dev)
             tree_mask = draft.ancestor_mask(dev)
         out = target.forward(
-            input_ids, cache, positions=positions, tree_mask=tree_mask, hidden_layers=layers, defer_logits=True
+            input_ids, cache, positions=positions, tree_mask=tree_mask, hidden_layers=layers, defer_logits=lazy_head
         )
         # The LM head runs only on the rows verification reads (verify/rows.py), where the model allows it.
         logits = out.logits[0] if out.logits is not None else target_rows(target, out.final[0], draft)

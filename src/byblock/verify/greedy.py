@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from byblock.verify.types import Draft, Rows, Verdict
 
 
@@ -24,6 +26,13 @@ def follow(draft: Draft, choose: Callable[[int], int]) -> Verdict:
 
 
 def verify_greedy(draft: Draft, target_logits: Rows) -> Verdict:
-    """target_logits: [N+1, V], read row by row (only the rows on the path). Greedy acceptance for chains and
-    trees. Lossless: every emitted token is the target's own argmax at its position."""
+    """target_logits: [N+1, V]. Greedy acceptance for chains and trees. Lossless: every emitted token is the
+    target's own argmax at its position.
+
+    Dense logits (a tensor) are reduced with one argmax over every row and read back in one `.tolist()`: one
+    host sync per round on a GPU. Lazy rows (TargetRows: the CPU path, whose LM head runs only on the rows a
+    walk reads) are read row by row, only those on the path."""
+    if isinstance(target_logits, torch.Tensor):
+        choices = target_logits.argmax(-1).tolist()
+        return follow(draft, choices.__getitem__)
     return follow(draft, lambda row: int(target_logits[row].argmax()))
