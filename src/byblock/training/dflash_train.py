@@ -40,6 +40,7 @@ from byblock.training.dflash_data import (
     sample_anchors,
     target_to_draft,
 )
+from byblock.training.distributed import process_device, world
 from byblock.training.regenerate import MANIFEST
 
 log = logging.getLogger(__name__)
@@ -75,28 +76,6 @@ class TrainConfig:
     eval_every: int = 200
     ckpt_every: int = 50
     seed: int = 0
-
-
-def _world(device: torch.device) -> tuple[int, int]:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _process_device(device: str | torch.device) -> torch.device:
-    """This process's device: under torchrun on CUDA, the GPU of its local rank."""
-    from byblock.models.devices import resolve_device
-
-    dev = resolve_device(device)
-    if dev.type == "cuda" and dev.index is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    return dev
 
 
 def _read_manifest(data_dir: Path) -> dict:
@@ -180,9 +159,9 @@ class DFlashTrainer:
         from byblock.models.loading import load_model
 
         self.cfg = cfg
-        self.device = _process_device(device)
+        self.device = process_device(device)
         self.data_dir, self.out_dir = Path(data_dir), Path(out_dir)
-        self.rank, self.world = _world(self.device)
+        self.rank, self.world = world(self.device)
         self.manifest = _read_manifest(self.data_dir)
         extra_dirs = [Path(d.strip()) for d in cfg.extra_data.split(",") if d.strip()]
         names = [d.name for d in extra_dirs]
