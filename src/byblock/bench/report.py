@@ -67,6 +67,28 @@ def terminal_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _peer_lines(report: dict) -> list[str]:
+    """Batch size and other engines, when the run had them."""
+    lines = []
+    if report.get("batch", 1) > 1:
+        lines.append(
+            f"Batch {report['batch']}: other engines get each batch of prompts as one call (their own batching); "
+            "byblock's methods answer it one request after another; tok/s = a batch's tokens ÷ its wall time."
+        )
+    for name, engine in report.get("peers", {}).items():
+        same = []
+        for ds, block in report["datasets"].items():
+            row = block["methods"].get(name, {})
+            if row.get("mismatched_vs_engine"):
+                same.append(f"{row['mismatched_vs_engine']} turns of {ds} differ from plain `vllm`")
+        if name != "vllm" and "vllm" in report["methods"] and report["params"]["temperature"] == 0:
+            note = "; ".join(same) or "token-identical to plain `vllm` on every turn"
+            lines.append(f"`{name}`: {engine}, fed byblock's prompt token ids ({note}).")
+        else:
+            lines.append(f"`{name}`: {engine}, fed byblock's prompt token ids.")
+    return ["", "  ".join(lines)] if lines else []
+
+
 def markdown(report: dict, per_position: bool = True) -> str:
     """The markdown report: context, the main table, per-position acceptance (unless `per_position` is off)."""
     p = report["params"]
@@ -77,6 +99,7 @@ def markdown(report: dict, per_position: bool = True) -> str:
         f"max {p['max_new_tokens']} new tokens, seed {p['seed']}; speedup vs `{report['baseline']}`; "
         f"lossless = token-identical to `{report['reference']}` (greedy only); round cost = (draft + verify time "
         f"per round) ÷ the baseline's time per token, i.e. the τ at which a method breaks even.",
+        *_peer_lines(report),
         "",
         "| " + " | ".join(HEADERS) + " |",
         "|" + "|".join("---" for _ in HEADERS) + "|",

@@ -33,13 +33,20 @@ class MethodTotals:
     pos_accepted: list[int] = field(default_factory=list)
     turns: int = 0
     mismatched_turns: int = 0
+    mismatched_vs_engine: int = 0  # a peer's drafter against the same engine's plain decoding
     per_prompt_tok_s: list[float] = field(default_factory=list)
     per_turn_tau: list[float] = field(default_factory=list)  # one long accepted run can carry a whole mean
 
-    def add(self, r: TurnResult) -> None:
-        """Fold one turn in."""
+    def add_batch(self, results: list[TurnResult], wall_s: float) -> None:
+        """Fold in the turns one batch answered together, timed by the batch's wall clock."""
+        for r in results:
+            self.add(r, seconds=0.0)
+        self.seconds += wall_s
+
+    def add(self, r: TurnResult, seconds: float | None = None) -> None:
+        """Fold one turn in (timed by its own clock unless `seconds` says otherwise)."""
         self.tokens += len(r.token_ids)
-        self.seconds += r.total_s
+        self.seconds += r.total_s if seconds is None else seconds
         self.ttft.append(r.ttft_s)
         self.turns += 1
         if r.total_s > 0:
@@ -66,6 +73,7 @@ class MethodTotals:
         """The report row."""
         tok_s = self.tokens / self.seconds if self.seconds else 0.0
         spec = self.rounds > 0
+        timed = spec and self.draft_s + self.verify_s > 0  # another engine's rows have counts but no phase times
         return {
             "tokens": self.tokens,
             "seconds": round(self.seconds, 4),
@@ -80,17 +88,18 @@ class MethodTotals:
             ],
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
-            "draft_fraction": round(self.draft_s / (self.draft_s + self.verify_s), 4) if spec else None,
-            "round_ms": round(1e3 * (self.draft_s + self.verify_s) / self.rounds, 3) if spec else None,
+            "draft_fraction": round(self.draft_s / (self.draft_s + self.verify_s), 4) if timed else None,
+            "round_ms": round(1e3 * (self.draft_s + self.verify_s) / self.rounds, 3) if timed else None,
             # round time / the baseline's time per token: the τ at which this method breaks even
             "round_cost_ratio": (
                 round((self.draft_s + self.verify_s) / self.rounds * baseline_tok_s, 4)
-                if spec and baseline_tok_s
+                if timed and baseline_tok_s
                 else None
             ),
             "per_turn_tau": self.per_turn_tau if spec else None,
             "turns": self.turns,
             "mismatched_turns": self.mismatched_turns,
+            "mismatched_vs_engine": self.mismatched_vs_engine,
         }
 
 
@@ -108,16 +117,20 @@ def conversation_ids(target: TargetModel, prompt: Prompt, answers: list[list[int
     return target.encode_messages(messages)
 
 
-def run_prompt(target: TargetModel, prompt: Prompt, runner: MethodRunner, params: SamplingParams) -> list[TurnResult]:
-    """All turns of one prompt with one method."""
-    answers: list[list[int]] = []
-    results = []
-    for _ in prompt.user_turns:
-        ids = conversation_ids(target, prompt, answers)
-        r = runner.run(ids, params)
-        results.append(r)
-        answers.append(r.token_ids)
-    return results
+def run_chunk(
+    target: TargetModel, chunk: list[Prompt], runner: MethodRunner, params: SamplingParams, totals: MethodTotals
+) -> list[list[TurnResult]]:
+    """All turns of a chunk of prompts with one method, turn t of every prompt as one batch; folds each batch
+    into `totals` and returns the answers per prompt."""
+    answers: list[list[TurnResult]] = [[] for _ in chunk]
+    for turn in range(max(len(p.user_turns) for p in chunk)):
+        live = [i for i, p in enumerate(chunk) if turn < len(p.user_turns)]
+        ids = [conversation_ids(target, chunk[i], [r.token_ids for r in answers[i]]) for i in live]
+        results, wall = runner.run_batch(ids, params)
+        totals.add_batch(results, wall)
+        for i, r in zip(live, results, strict=True):
+            answers[i].append(r)
+    return answers
 
 
 def run_dataset(
@@ -127,23 +140,35 @@ def run_dataset(
     params: SamplingParams,
     reference: str,
     tick=None,
+    batch: int = 1,
 ) -> dict[str, MethodTotals]:
-    """Interleaved loop over prompts; returns totals per method (mismatches counted against `reference`)."""
+    """Interleaved loop over chunks of `batch` prompts; returns totals per method (mismatches counted against
+    `reference`; a vLLM drafter's also against plain `vllm` when it runs, the same engine's own reference)."""
     names = list(runners)
     totals = {n: MethodTotals() for n in names}
-    for i, prompt in enumerate(prompts):
-        k = i % len(names)
+    chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    for c, chunk in enumerate(chunks):
+        k = c % len(names)
         order = names[k:] + names[:k]  # rotate who goes first
         outputs = {}
         for name in order:
-            outputs[name] = run_prompt(target, prompt, runners[name], params)
+            outputs[name] = run_chunk(target, chunk, runners[name], params, totals[name])
             if tick is not None:
-                tick()
+                tick(len(chunk))
+        if not params.greedy:
+            continue
         for name in names:
-            for r in outputs[name]:
-                totals[name].add(r)
-            if params.greedy and name != reference:
-                ref = [r.token_ids for r in outputs[reference]]
-                mine = [r.token_ids for r in outputs[name]]
-                totals[name].mismatched_turns += sum(a != b for a, b in zip(mine, ref, strict=False))
+            refs = [reference] + (["vllm"] if name.startswith("vllm-") and "vllm" in outputs else [])
+            for ref_name in refs:
+                if name == ref_name:
+                    continue
+                bad = sum(
+                    a.token_ids != b.token_ids
+                    for mine, ref in zip(outputs[name], outputs[ref_name], strict=True)
+                    for a, b in zip(mine, ref, strict=False)
+                )
+                if ref_name == reference:
+                    totals[name].mismatched_turns += bad
+                else:
+                    totals[name].mismatched_vs_engine += bad
     return totals

