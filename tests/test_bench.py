@@ -11,7 +11,8 @@ import torch
 from tiny import make_dflash
 
 from byblock.bench.datasets import Prompt, load_jsonl
-from byblock.bench.methods import MethodSpec, TurnResult
+from byblock.bench.methods import Engine, MethodSpec, TurnResult
+from byblock.bench.peers import stats_from_histogram
 from byblock.bench.runner import run_dataset
 from byblock.drafters.dflash_format import save_dflash
 from byblock.errors import ByblockError
@@ -33,7 +34,10 @@ def test_method_names_parse_once():
     assert MethodSpec.parse("ddtree:/x@16").drafter.tree_budget == 16
     assert MethodSpec.parse("adaptive").drafter.adaptive
     assert MethodSpec.parse("hf").drafter is None
-    for bad in ("warp", "hf@4", "dflash@1", "ngram:x"):
+    peer = MethodSpec.parse("vllm-dflash:/x@8")
+    assert peer.engine is Engine.VLLM and peer.drafter.block_size == 8 and peer.drafter.model == "/x"
+    assert MethodSpec.parse("vllm").engine is Engine.VLLM and MethodSpec.parse("vllm").drafter is None
+    for bad in ("warp", "hf@4", "dflash@1", "ngram:x", "vllm@4"):
         with pytest.raises(ByblockError):
             MethodSpec.parse(bad)
 
@@ -79,6 +83,10 @@ class _Fake:
         toks = [1, 2, 3, 4] if not self.corrupt or len(ids) % 2 else [1, 2, 9, 4]
         return TurnResult(toks, 0.01, 0.1, None)
 
+    def run_batch(self, prompts, params):
+        self.batches = [*getattr(self, "batches", []), len(prompts)]
+        return [self.run(ids, params) for ids in prompts], 0.15  # as if the batch ran in parallel
+
 
 def test_lossless_check_flags_a_broken_method(tiny_targets):
     target = tiny_targets["llama"]
@@ -86,6 +94,31 @@ def test_lossless_check_flags_a_broken_method(tiny_targets):
     runners = {"ar": _Fake(False), "good": _Fake(False), "broken": _Fake(True)}
     totals = run_dataset(target, prompts, runners, SamplingParams(max_new_tokens=4), reference="ar")
     assert totals["good"].mismatched_turns == 0 and totals["broken"].mismatched_turns > 0
+
+
+def test_batches_are_timed_by_their_wall_clock(tiny_targets):
+    target = tiny_targets["llama"]
+    prompts = [Prompt(id=str(i), text=t) for i, t in enumerate(["a", "b b", "c c c", "dd", "e"])]
+    prompts.append(Prompt(id="conv", text="x", turns=("x", "y")))
+    runners = {"ar": _Fake(False), "peer": _Fake(False)}
+    totals = run_dataset(target, prompts, runners, SamplingParams(max_new_tokens=4), reference="ar", batch=4)
+    assert runners["peer"].batches == [4, 2, 1]  # 4 prompts, then the last 2 (turn 1), then the conversation's turn 2
+    t = totals["peer"]
+    assert t.tokens == 7 * 4 and t.turns == 7 and t.seconds == pytest.approx(3 * 0.15)
+    assert t.mismatched_turns == 0
+
+
+def test_vllm_histograms_become_byblock_counters():
+    s = stats_from_histogram([1, 0, 2], k=3)  # one step accepted nothing, two accepted two drafts
+    assert s.rounds == 3 and s.emitted_by_rounds == 1 + 3 + 3 and s.accept_counts == [1, 0, 2]
+    assert s.position_drafted == [3, 3, 3] and s.position_accepted == [2, 2, 0]
+
+
+def test_vllm_method_without_vllm_is_a_one_line_error(tmp_path, tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("BYBLOCK_VLLM_PYTHON", str(tmp_path / "nope" / "python"))
+    cmd = [*CLI, "--model", str(tiny_llama_dir), "--methods", "ar,vllm", "--limit", "1", "--no-plots", "--quiet"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "no vLLM interpreter" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize(

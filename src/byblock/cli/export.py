@@ -11,10 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from byblock.errors import ByblockError
 from byblock.models.registry import DEFAULT_MODEL
 
-FORMATS = ("vllm",)  # SGLang and llama.cpp layouts: not built yet (issue 32)
+FORMATS = ("vllm",)  # SGLang and llama.cpp layouts: see handoff/export.py
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -26,27 +25,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Resolve the drafter and the target's head, write the engine's layout, print one JSON line."""
-    from byblock.drafters import DrafterKind, DrafterSpec, shipped_dflash_dir
-    from byblock.drafters.dflash_format import WEIGHTS
+    """Write the engine's layout, print how to serve it, end stdout with one JSON line."""
+    from byblock.handoff.export import EngineFormat, export_drafter
 
-    spec = DrafterSpec.parse(args.drafter)
-    if spec.kind is not DrafterKind.DFLASH:
-        raise ByblockError(f"export takes a DFlash drafter (dflash[:PATH]), not '{args.drafter}'")
-    src = Path(spec.model).expanduser() if spec.model else shipped_dflash_dir(args.target)
-    if not (src / "config.json").is_file() or not (src / WEIGHTS).is_file():
-        raise ByblockError(f"{src} is not a DFlash checkpoint (needs config.json and {WEIGHTS})")
-    from byblock.handoff.vllm import export_vllm
-    from byblock.models.loading import load_model, resolve_checkpoint
-
-    target = load_model(args.target, device="cpu", relayout=False, row_invariant=False)
-    head = target.hf.get_output_embeddings().weight.detach()
-    out = export_vllm(src, Path(args.out), head)
-    config = json.loads((out / "config.json").read_text())
-    k = int(config.get("block_size", 16)) - 1
-    speculative = {"method": "dflash", "model": str(out.resolve()), "num_speculative_tokens": k}
-    sys.stderr.write(f"byblock export: wrote {out} ({args.format}); serve it with\n")
-    checkpoint = resolve_checkpoint(args.target)  # the HF directory vLLM opens (a built-in's de-quantized cache)
-    sys.stderr.write(f"  vllm serve {checkpoint} --speculative-config '{json.dumps(speculative)}'\n")
-    print(json.dumps({"out": str(out), "format": args.format, "target": checkpoint, "speculative_config": speculative}))
+    done = export_drafter(args.drafter, args.target, EngineFormat(args.format), Path(args.out))
+    speculative = {"method": "dflash", "model": str(done.out.resolve()), "num_speculative_tokens": done.block_size - 1}
+    sys.stderr.write(f"byblock export: wrote {done.out} ({args.format}); serve it with\n")
+    sys.stderr.write(f"  byblock launch {args.format} --target {args.target} --exported {done.out} --run\n")
+    line = {"out": str(done.out), "format": args.format, "target": done.target, "speculative_config": speculative}
+    print(json.dumps(line))
     return 0
