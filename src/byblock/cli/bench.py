@@ -37,7 +37,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     add_dtype_args(parser)
     parser.add_argument("--methods", default="ar,ngram,dflash", help="comma list; see byblock/bench/methods.py")
-    parser.add_argument("--dataset", default="dev", help="comma list of dev | humaneval | PATH.jsonl, or passkey")
+    parser.add_argument(
+        "--dataset",
+        default="dev",
+        help="comma list of dev | humaneval | PATH.jsonl (a+b: one dataset of both), or passkey",
+    )
     parser.add_argument(
         "--dataset-path",
         default=None,
@@ -133,14 +137,17 @@ def load_datasets(spec: str, dev_path: str | None, limit: int) -> dict:
     """{name: [Prompt]} for a comma list of dataset names or JSONL paths."""
     from byblock.bench.datasets import load_dev, load_humaneval, load_jsonl
 
+    def one(name: str) -> tuple[str, list]:
+        if name == "dev":
+            return name, load_dev(limit, dev_path)
+        if name == "humaneval":
+            return name, load_humaneval(limit)
+        return Path(name).stem, load_jsonl(name, limit)
+
     out = {}
     for name in [s for s in spec.split(",") if s]:
-        if name == "dev":
-            out[name] = load_dev(limit, dev_path)
-        elif name == "humaneval":
-            out[name] = load_humaneval(limit)
-        else:
-            out[Path(name).stem] = load_jsonl(name, limit)
+        parts = [one(p) for p in name.split("+") if p]  # a+b: one dataset, `limit` prompts from each part
+        out["+".join(n for n, _ in parts)] = [p for _, prompts in parts for p in prompts]
     return out
 
 
