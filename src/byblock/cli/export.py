@@ -13,7 +13,7 @@ from pathlib import Path
 
 from byblock.models.registry import DEFAULT_MODEL
 
-FORMATS = ("vllm",)  # SGLang and llama.cpp layouts: see handoff/export.py
+FORMATS = ("vllm", "llamacpp")  # SGLang: see docs/handoff.md
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -21,14 +21,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default="dflash", help="dflash[:PATH] (default: the drafter shipped for --target)")
     parser.add_argument("--target", default=DEFAULT_MODEL, help="the target model the drafter serves")
     parser.add_argument("--format", required=True, choices=FORMATS, help="the engine whose layout to write")
-    parser.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    parser.add_argument("--out", required=True, help="output directory (llamacpp: a .gguf file or a directory)")
+    parser.add_argument("--target-gguf", default=None, help="llamacpp: the target's GGUF (default: a built-in's own)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Write the engine's layout, print how to serve it, end stdout with one JSON line."""
     from byblock.handoff.export import EngineFormat, export_drafter
 
-    done = export_drafter(args.drafter, args.target, EngineFormat(args.format), Path(args.out))
+    done = export_drafter(args.drafter, args.target, EngineFormat(args.format), Path(args.out), args.target_gguf)
     speculative = {"method": "dflash", "model": str(done.out.resolve()), "num_speculative_tokens": done.block_size - 1}
     sys.stderr.write(f"byblock export: wrote {done.out} ({args.format}); serve it with\n")
     sys.stderr.write(f"  byblock launch {args.format} --target {args.target} --exported {done.out} --run\n")

@@ -14,6 +14,7 @@ class EngineFormat(Enum):
     """The engines byblock hands a drafter to."""
 
     VLLM = "vllm"
+    LLAMACPP = "llamacpp"
 
 
 @dataclass(frozen=True)
@@ -22,12 +23,26 @@ class Exported:
 
     out: Path
     format: EngineFormat
-    target: str  # the target checkpoint the engine opens (a built-in's de-quantized HF directory)
+    target: str  # what the engine opens as the target: vLLM an HF directory, llama.cpp a GGUF file
     block_size: int  # the drafter's block: vLLM's num_speculative_tokens is block_size - 1
 
 
-def export_drafter(drafter: str, target: str, fmt: EngineFormat, out: Path) -> Exported:
-    """Write `drafter` (dflash[:PATH]) for `fmt` into `out` (replaced atomically)."""
+def target_gguf_of(target: str, explicit: str | None = None) -> Path:
+    """The target's GGUF for llama.cpp: --target-gguf, else a built-in's shipped file, else a .gguf target."""
+    from byblock.models.registry import BUILTIN_MODELS, resolve_builtin
+
+    if explicit:
+        return Path(explicit).expanduser()
+    if target in BUILTIN_MODELS:
+        return resolve_builtin(target)
+    if target.endswith(".gguf"):
+        return Path(target).expanduser()
+    raise ByblockError(f"llama.cpp needs the target as GGUF: pass --target-gguf for '{target}'")
+
+
+def export_drafter(drafter: str, target: str, fmt: EngineFormat, out: Path, target_gguf: str | None = None) -> Exported:
+    """Write `drafter` (dflash[:PATH]) for `fmt` into `out` (replaced atomically; for llama.cpp a .gguf file,
+    or DIR/dflash-draft.gguf when `out` is not one)."""
     from byblock.drafters import DrafterKind, DrafterSpec, shipped_dflash_dir
     from byblock.drafters.dflash_format import WEIGHTS
     from byblock.models.loading import load_model, resolve_checkpoint
@@ -44,7 +59,14 @@ def export_drafter(drafter: str, target: str, fmt: EngineFormat, out: Path) -> E
         from byblock.handoff.vllm import export_vllm
 
         written = export_vllm(src, out, head)
+        engine_target = resolve_checkpoint(target)
+    elif fmt is EngineFormat.LLAMACPP:
+        from byblock.handoff.llamacpp import export_llamacpp
+
+        gguf = target_gguf_of(target, target_gguf)
+        written = export_llamacpp(src, out if out.suffix == ".gguf" else out / "dflash-draft.gguf", head, gguf)
+        engine_target = str(gguf)
     else:  # pragma: no cover - every enum member has a branch
         raise ByblockError(f"no exporter for {fmt.value}")
-    block = int(json.loads((written / "config.json").read_text()).get("block_size", 16))
-    return Exported(written, fmt, resolve_checkpoint(target), block)
+    block = int(json.loads((src / "config.json").read_text()).get("block_size", 16))
+    return Exported(written, fmt, engine_target, block)
