@@ -84,11 +84,11 @@ class VllmRunner:
 
     def _export(self, spec: MethodSpec, target: TargetModel, model: str) -> tuple[str, int]:
         """Export the DFlash drafter for vLLM into a temporary directory; K = block size - 1 (or @K - 1)."""
-        from byblock.drafters import shipped_dflash_dir
+        from byblock.handoff.export import dflash_source
         from byblock.handoff.vllm import export_vllm
 
         assert spec.drafter is not None
-        src = Path(spec.drafter.model).expanduser() if spec.drafter.model else shipped_dflash_dir(model)
+        src = dflash_source(spec.drafter.model, model)
         self._tmp = tempfile.TemporaryDirectory(prefix="byblock-vllm-export-")
         out = export_vllm(src, Path(self._tmp.name) / "dflash", target.hf.get_output_embeddings().weight.detach())
         block = spec.size or int(json.loads((out / "config.json").read_text()).get("block_size", 16))
@@ -135,10 +135,10 @@ class LlamaCppRunner:
         draft, self.k = None, 0
         self._tmp: tempfile.TemporaryDirectory | None = None
         if spec.drafter is not None:
-            from byblock.drafters import shipped_dflash_dir
+            from byblock.handoff.export import dflash_source
             from byblock.handoff.llamacpp import export_llamacpp
 
-            src = Path(spec.drafter.model).expanduser() if spec.drafter.model else shipped_dflash_dir(setup.model)
+            src = dflash_source(spec.drafter.model, setup.model)
             self._tmp = tempfile.TemporaryDirectory(prefix="byblock-llamacpp-export-")
             head = target.hf.get_output_embeddings().weight.detach()
             draft = str(export_llamacpp(src, Path(self._tmp.name) / "dflash-draft.gguf", head, gguf))

@@ -40,19 +40,28 @@ def target_gguf_of(target: str, explicit: str | None = None) -> Path:
     raise ByblockError(f"llama.cpp needs the target as GGUF: pass --target-gguf for '{target}'")
 
 
+def dflash_source(model: str | None, target: str) -> Path:
+    """The DFlash checkpoint to export: `model` (a path) or the one shipped for `target`; a one-line error when
+    it is not a checkpoint."""
+    from byblock.drafters import shipped_dflash_dir
+    from byblock.drafters.dflash_format import WEIGHTS
+
+    src = Path(model).expanduser() if model else shipped_dflash_dir(target)
+    if not (src / "config.json").is_file() or not (src / WEIGHTS).is_file():
+        raise ByblockError(f"{src} is not a DFlash checkpoint (needs config.json and {WEIGHTS})")
+    return src
+
+
 def export_drafter(drafter: str, target: str, fmt: EngineFormat, out: Path, target_gguf: str | None = None) -> Exported:
     """Write `drafter` (dflash[:PATH]) for `fmt` into `out` (replaced atomically; for llama.cpp a .gguf file,
     or DIR/dflash-draft.gguf when `out` is not one)."""
-    from byblock.drafters import DrafterKind, DrafterSpec, shipped_dflash_dir
-    from byblock.drafters.dflash_format import WEIGHTS
+    from byblock.drafters import DrafterKind, DrafterSpec
     from byblock.models.loading import load_model, resolve_checkpoint
 
     spec = DrafterSpec.parse(drafter)
     if spec.kind is not DrafterKind.DFLASH:
         raise ByblockError(f"export takes a DFlash drafter (dflash[:PATH]), not '{drafter}'")
-    src = Path(spec.model).expanduser() if spec.model else shipped_dflash_dir(target)
-    if not (src / "config.json").is_file() or not (src / WEIGHTS).is_file():
-        raise ByblockError(f"{src} is not a DFlash checkpoint (needs config.json and {WEIGHTS})")
+    src = dflash_source(spec.model, target)
     model = load_model(target, device="cpu", relayout=False, row_invariant=False)
     head = model.hf.get_output_embeddings().weight.detach()
     if fmt is EngineFormat.VLLM:
