@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from byblock.bench.methods import MethodSpec, TurnResult
 from byblock.engine.types import SpecStats
@@ -56,10 +58,57 @@ def stats_from_histogram(hist: list[int], k: int) -> SpecStats:
     return s
 
 
-class VllmRunner:
-    """A vLLM engine process bound to one method; `run_batch` sends prompts as one engine call."""
+class _PeerRunner:
+    """What every engine peer shares: the exported drafter's lifetime, the batch call, the shutdown. A subclass
+    sets `peer` (whose `generate` takes the same arguments for every engine), `k` and `engine_label`."""
+
+    peer: Any
+    k: int = 0  # drafted tokens per round; 0 = plain decoding
+    _tmp: tempfile.TemporaryDirectory | None = None
+
+    def _export(self, spec: MethodSpec, model: str, write: Callable[[Path, Path], Path]) -> str:
+        """Export the DFlash drafter with `write(src, tmpdir)`; sets K = block size - 1 (or @K - 1)."""
+        from byblock.handoff.export import dflash_source
+
+        assert spec.drafter is not None
+        src = dflash_source(spec.drafter.model, model)
+        self._tmp = tempfile.TemporaryDirectory(prefix="byblock-peer-export-")
+        out = write(src, Path(self._tmp.name))
+        self.k = (spec.size or int(json.loads((src / "config.json").read_text()).get("block_size", 16))) - 1
+        return str(out)
+
+    def _stats(self, out) -> SpecStats | None:
+        raise NotImplementedError
+
+    def run(self, ids: list[int], params: SamplingParams) -> TurnResult:
+        """One prompt (a batch of one)."""
+        return self.run_batch([ids], params)[0][0]
+
+    def run_batch(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[TurnResult], float]:
+        """Prompts as one engine batch; returns the answers and the batch's wall time."""
+        outs, wall = self.peer.generate(
+            prompts,
+            max_tokens=params.max_new_tokens,
+            temperature=0.0 if params.greedy else params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+        )
+        # a batch of one is timed by the same clock byblock's rows use; in a batch, each request's own latency
+        results = [TurnResult(o.ids, o.ttft_s, wall if len(prompts) == 1 else o.total_s, self._stats(o)) for o in outs]
+        return results, wall
+
+    def close(self) -> None:
+        """End the engine process and remove the exported drafter."""
+        self.peer.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+class VllmRunner(_PeerRunner):
+    """vLLM's offline engine bound to one method; a batch is one `generate` call."""
 
     def __init__(self, spec: MethodSpec, target: TargetModel, setup: PeerSetup) -> None:
+        from byblock.handoff.vllm import export_vllm
         from byblock.handoff.vllm_peer import PeerConfig, VllmPeer, find_vllm_python
         from byblock.models.loading import resolve_checkpoint
 
@@ -67,10 +116,10 @@ class VllmRunner:
             raise ByblockError(f"vLLM peers take --dtype fp32|bf16|auto, not '{setup.dtype}'")
         self.spec = spec
         python = find_vllm_python(setup.vllm_python)
-        draft, self.k = None, 0
-        self._tmp: tempfile.TemporaryDirectory | None = None
+        draft = None
         if spec.drafter is not None:
-            draft, self.k = self._export(spec, target, setup.model)
+            head = target.hf.get_output_embeddings().weight.detach()
+            draft = self._export(spec, setup.model, lambda src, tmp: export_vllm(src, tmp / "dflash", head))
         cfg = PeerConfig(
             target=resolve_checkpoint(setup.model),
             draft=draft,
@@ -82,93 +131,29 @@ class VllmRunner:
         self.peer = VllmPeer(cfg, python)
         self.engine_label = f"vLLM {self.peer.version}"
 
-    def _export(self, spec: MethodSpec, target: TargetModel, model: str) -> tuple[str, int]:
-        """Export the DFlash drafter for vLLM into a temporary directory; K = block size - 1 (or @K - 1)."""
-        from byblock.handoff.export import dflash_source
-        from byblock.handoff.vllm import export_vllm
-
-        assert spec.drafter is not None
-        src = dflash_source(spec.drafter.model, model)
-        self._tmp = tempfile.TemporaryDirectory(prefix="byblock-vllm-export-")
-        out = export_vllm(src, Path(self._tmp.name) / "dflash", target.hf.get_output_embeddings().weight.detach())
-        block = spec.size or int(json.loads((out / "config.json").read_text()).get("block_size", 16))
-        return str(out), block - 1
-
-    def run(self, ids: list[int], params: SamplingParams) -> TurnResult:
-        """One prompt (a batch of one)."""
-        return self.run_batch([ids], params)[0][0]
-
-    def run_batch(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[TurnResult], float]:
-        """Prompts as one vLLM batch; returns the answers and the call's wall time."""
-        greedy = params.greedy
-        outs, wall = self.peer.generate(
-            prompts,
-            max_tokens=params.max_new_tokens,
-            temperature=0.0 if greedy else params.temperature,
-            top_p=params.top_p,
-            seed=params.seed,
-        )
-        results = []
-        for o in outs:
-            stats = stats_from_histogram(o.accept_hist, self.k) if o.accept_hist is not None else None
-            total = wall if len(prompts) == 1 else o.total_s  # batch of one: the same clock byblock's rows use
-            results.append(TurnResult(o.ids, o.ttft_s, total, stats))
-        return results, wall
-
-    def close(self) -> None:
-        """End the engine process and remove the exported drafter."""
-        self.peer.close()
-        if self._tmp is not None:
-            self._tmp.cleanup()
+    def _stats(self, out) -> SpecStats | None:
+        return stats_from_histogram(out.accept_hist, self.k) if out.accept_hist is not None else None
 
 
-class LlamaCppRunner:
-    """llama-server bound to one method; `run_batch` sends a batch as concurrent requests."""
+class LlamaCppRunner(_PeerRunner):
+    """llama-server bound to one method; a batch is concurrent requests to as many slots."""
 
     def __init__(self, spec: MethodSpec, target: TargetModel, setup: PeerSetup) -> None:
         from byblock.handoff.export import target_gguf_of
+        from byblock.handoff.llamacpp import export_llamacpp
         from byblock.handoff.llamacpp_peer import LlamaCppConfig, LlamaCppPeer, find_llama_server
 
         self.spec = spec
         binary = find_llama_server(setup.llama_server)
         gguf = target_gguf_of(setup.model, setup.llamacpp_gguf)
-        draft, self.k = None, 0
-        self._tmp: tempfile.TemporaryDirectory | None = None
+        draft = None
         if spec.drafter is not None:
-            from byblock.handoff.export import dflash_source
-            from byblock.handoff.llamacpp import export_llamacpp
-
-            src = dflash_source(spec.drafter.model, setup.model)
-            self._tmp = tempfile.TemporaryDirectory(prefix="byblock-llamacpp-export-")
             head = target.hf.get_output_embeddings().weight.detach()
-            draft = str(export_llamacpp(src, Path(self._tmp.name) / "dflash-draft.gguf", head, gguf))
-            block = spec.size or int(json.loads((src / "config.json").read_text()).get("block_size", 16))
-            self.k = block - 1
+            write = lambda src, tmp: export_llamacpp(src, tmp / "dflash-draft.gguf", head, gguf)  # noqa: E731
+            draft = self._export(spec, setup.model, write)
         cfg = LlamaCppConfig(target_gguf=str(gguf), draft_gguf=draft, k=max(self.k, 1), slots=setup.batch)
         self.peer = LlamaCppPeer(cfg, binary, frozenset(target.eos_token_ids))
         self.engine_label = f"{self.peer.version}, {Path(gguf).name}"
 
-    def run(self, ids: list[int], params: SamplingParams) -> TurnResult:
-        """One prompt (a batch of one)."""
-        return self.run_batch([ids], params)[0][0]
-
-    def run_batch(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[TurnResult], float]:
-        """Prompts as concurrent requests; returns the answers and the batch's wall time."""
-        outs, wall = self.peer.generate(
-            prompts,
-            max_tokens=params.max_new_tokens,
-            temperature=0.0 if params.greedy else params.temperature,
-            top_p=params.top_p,
-            seed=params.seed,
-        )
-        results = []
-        for o in outs:
-            stats = stats_from_counts(o.drafted, o.accepted, self.k) if self.k else None
-            results.append(TurnResult(o.ids, o.ttft_s, wall if len(prompts) == 1 else o.total_s, stats))
-        return results, wall
-
-    def close(self) -> None:
-        """Stop the server and remove the exported drafter."""
-        self.peer.close()
-        if self._tmp is not None:
-            self._tmp.cleanup()
+    def _stats(self, out) -> SpecStats | None:
+        return stats_from_counts(out.drafted, out.accepted, self.k) if self.k else None
