@@ -124,6 +124,9 @@ def make_target(
 
             pytest.skip("byblock's packed GEMM does not build here (no g++ or no AVX2)")
         pack_linears(model, kernel)
+        from byblock.kernels.gqa_sdpa import enable_gqa_sdpa
+
+        enable_gqa_sdpa(model)  # load_model's fp32 attention, and the one packed (batched) forwards split per sequence
     return TargetModel(model, tok, name=f"tiny-{arch}")
 
 

@@ -175,7 +175,7 @@ class AdaptiveDrafter:
     def __init__(
         self,
         dflash: DFlashDrafter,
-        target: TargetModel,
+        target: TargetModel | None,
         tree: bool = False,
         max_budget: int = 64,
         cost: CostModel | None = None,
@@ -193,7 +193,11 @@ class AdaptiveDrafter:
         self.max_budget = max_budget
         self.block_size = dflash.block_size
         self.hidden_layers = dflash.hidden_layers
-        self.cost = cost or CostModel(measure_verify_cost(target, [k for k in COST_SIZES if k <= max_budget + 1]))
+        if cost is None:  # measured on the target when not handed one (forks share their parent's)
+            if target is None:
+                raise ValueError("an AdaptiveDrafter needs a target to measure its costs on, or a cost model")
+            cost = CostModel(measure_verify_cost(target, [k for k in COST_SIZES if k <= max_budget + 1]))
+        self.cost = cost
         self.accepted_at = torch.ones(self.block_size, device="cpu")  # Beta(1,1) prior: 1 success ...
         self.reached = 2 * torch.ones(self.block_size, device="cpu")  # ... out of 2 trials per depth
         self.draft_s = 0.0  # summed over the rounds that ran the drafter
@@ -215,6 +219,14 @@ class AdaptiveDrafter:
         self._round_tokens = 0
         self.rests = 0  # rounds that skipped the drafter
         self.probes = [ProbeSchedule(), ProbeSchedule()]  # per regime (chain and tree: only regime 0)
+
+    def fork(self) -> AdaptiveDrafter:
+        """The same backbone weights, cost model and clock, fresh acceptance statistics (Beta(1,1) priors)."""
+        clone = AdaptiveDrafter(
+            self.dflash.fork(), None, tree=self.tree, max_budget=self.max_budget, cost=self.cost, lookup=self.lookup
+        )
+        clone.clock = self.clock
+        return clone
 
     def start(self, prompt_ids, target_hidden, params: SamplingParams, generator) -> None:
         """Reset per-request drafter state; acceptance statistics carry over (same model, same machine)."""

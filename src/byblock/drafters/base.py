@@ -43,6 +43,11 @@ class Drafter(Protocol):
         """The round's outcome. target_hidden: [1, 1+a, k*H] for the root and the a accepted nodes."""
         ...
 
+    def fork(self) -> Drafter:
+        """A drafter for another request decoded at the same time (the batched engine): the same weights and
+        settings, its own per-request state. Stateless drafters may return themselves."""
+        ...
+
 
 class StatelessDrafter:
     """Base for drafters that need no per-request bookkeeping beyond the context they are handed."""
@@ -62,3 +67,7 @@ class StatelessDrafter:
 
     def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
         """Nothing to learn from the outcome."""
+
+    def fork(self) -> StatelessDrafter:
+        """No per-request state: one instance serves every request."""
+        return self

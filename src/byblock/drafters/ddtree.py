@@ -115,6 +115,10 @@ class DDTreeDrafter:
         self._params = params
         self.dflash.start(prompt_ids, target_hidden, params, generator)
 
+    def fork(self) -> DDTreeDrafter:
+        """Same backbone weights and budget, its own DFlash state."""
+        return DDTreeDrafter(self.dflash.fork(), self.budget, self.top_k)
+
     def propose(self, tokens: list[int], max_depth: int) -> Draft:
         """The best `budget` prefixes of the block's distributions, as one tree."""
         depth = min(self.block_size, max_depth)

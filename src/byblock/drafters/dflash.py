@@ -10,6 +10,8 @@ Per round (reference `dflash_generate`, byblock's engine contract):
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -103,6 +105,13 @@ class DFlashDrafter:
         self._pending = target_hidden[0]
         self._pending_start = 0
         self._params, self._generator = params, generator
+
+    def fork(self) -> DFlashDrafter:
+        """Shares the network, embedding and head; fresh context cache (set by start)."""
+        clone = copy.copy(self)
+        clone._cache, clone._pending, clone._pending_start = [], None, 0
+        clone._params, clone._generator = SamplingParams(), None
+        return clone
 
     def draft_logits(self, anchor: int, anchor_pos: int, depth: int, return_hidden: bool = False):
         """Run the drafter once; logits [depth, V_draft] for positions anchor_pos+1 .. anchor_pos+depth

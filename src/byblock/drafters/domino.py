@@ -141,6 +141,10 @@ class DominoDrafter:
         self._params, self._generator = params, generator
         self.dflash.start(prompt_ids, target_hidden, params, generator)
 
+    def fork(self) -> DominoDrafter:
+        """Same backbone weights and head, its own DFlash state."""
+        return DominoDrafter(self.dflash.fork(), self.head, self.tree_budget)
+
     def _embed(self, draft_id: int) -> torch.Tensor:
         vocab = self.dflash.draft_vocab
         tid = int(vocab[draft_id]) if vocab is not None else draft_id

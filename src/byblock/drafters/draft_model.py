@@ -61,6 +61,10 @@ class ModelDrafter:
         self.cache = self.draft.new_cache()
         self.cached = []
 
+    def fork(self) -> ModelDrafter:
+        """The same draft model, its own cache."""
+        return ModelDrafter(self.draft, self.target_vocab, self.block_size)
+
     def _fit_vocab(self, q: torch.Tensor) -> torch.Tensor:
         """Pad or cut draft probs [V_d] to the target vocabulary (padding ids are never real tokens)."""
         v = q.shape[-1]

@@ -57,6 +57,10 @@ class HybridDrafter:
         """Reset the model drafter (lookup is stateless)."""
         self.ddtree.start(prompt_ids, target_hidden, params, generator)
 
+    def fork(self) -> HybridDrafter:
+        """The (stateless) lookup shared, the model drafter forked."""
+        return HybridDrafter(self.ngram, self.ddtree.fork(), self.budget)
+
     def propose(self, tokens: list[int], max_depth: int) -> Draft:
         """Lookup continuation first, then the model's best-first nodes."""
         lookup = self.ngram.propose(tokens, min(max_depth, self.ddtree.block_size))

@@ -7,17 +7,21 @@ exactly the same token (EOS, stop string, max tokens, context end) — even in t
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from byblock.drafters.base import Drafter
+from byblock.engine.output import OutputProcessor
 from byblock.engine.plain import plain_decode
 from byblock.engine.spec_loop import speculative_decode
-from byblock.engine.text import IncrementalDetokenizer, StopStringMatcher
-from byblock.engine.types import FinishReason, GenerationResult, SpecStats, StreamEvent, TokenEvent
-from byblock.errors import ContextLengthError
+from byblock.engine.types import GenerationResult, SpecStats, StreamEvent
+from byblock.errors import ByblockError, ContextLengthError, InvalidParameterError
 from byblock.models.adapter import TargetModel
 from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import make_generator
+
+if TYPE_CHECKING:
+    from byblock.engine.scheduler import BatchConfig
 
 
 def check_prompt_fits(model: TargetModel, prompt_ids: list[int]) -> None:
@@ -51,61 +55,28 @@ class Generation:
 
     def __iter__(self) -> Iterator[StreamEvent]:
         model, params = self.model, self.params
-        start = time.perf_counter()
+        out = OutputProcessor(model, self.prompt_ids, params, time.perf_counter())
         generator = make_generator(params.seed, model.device)
         stats = SpecStats()
         if self.drafter is None:
             loop = plain_decode(model, self.prompt_ids, params, generator, stats)
         else:
             loop = speculative_decode(model, self.drafter, self.prompt_ids, params, generator, stats)
-        detok = IncrementalDetokenizer(model.tokenizer, self.prompt_ids)
-        stops = StopStringMatcher(params.stop)
-        token_ids: list[int] = []
-        from_draft: list[bool] = []
-        pending: list[TokenEvent] = []
-        ttft = 0.0
-        room = min(params.max_new_tokens, model.max_context - len(self.prompt_ids))
-        finish = FinishReason.LENGTH
         try:
             for ev in loop:
-                if not token_ids:
-                    ttft = time.perf_counter() - start
-                token_ids.append(ev.token_id)
-                from_draft.append(ev.from_draft)
-                pending.append(ev)
-                if ev.token_id in model.eos_token_ids and not params.ignore_eos:
-                    finish = FinishReason.STOP
-                    break
-                delta = stops.push(detok.add(ev.token_id))
-                if stops.stopped:
-                    finish = FinishReason.STOP
-                    if delta:
-                        yield StreamEvent(delta, tuple(pending), time.perf_counter() - start)
-                    pending = []
-                    break
-                if delta:
-                    yield StreamEvent(delta, tuple(pending), time.perf_counter() - start)
-                    pending = []
-                if len(token_ids) >= room:
+                delta = out.push(ev)
+                if delta is not None:
+                    yield delta
+                if out.done:
                     break
         finally:
             loop.close()
-        tail = stops.flush()
-        if tail or pending:
-            yield StreamEvent(tail, tuple(pending), time.perf_counter() - start)
+        tail = out.close()
+        if tail is not None:
+            yield tail
         drafter = self.drafter
-        self.result = GenerationResult(
-            text=stops.text,
-            token_ids=token_ids,
-            from_draft=from_draft,
-            prompt_tokens=len(self.prompt_ids),
-            finish_reason=finish,
-            ttft_s=ttft,
-            total_s=time.perf_counter() - start,
-            drafter=drafter.name if drafter is not None else "none",
-            block_size=drafter.block_size if drafter is not None else 1,
-            stats=stats,
-        )
+        name, block = (drafter.name, drafter.block_size) if drafter is not None else ("none", 1)
+        self.result = out.result(name, block, stats)
 
 
 def stream(
@@ -122,15 +93,66 @@ def stream(
 
 def generate(
     model: TargetModel,
-    prompt: str | list[int],
-    params: SamplingParams | None = None,
+    prompt: str | list[int] | Sequence[str | list[int]],
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
     *,
     drafter: Drafter | None = None,
     chat: bool = True,
-) -> GenerationResult:
-    """Run a request to completion and return its GenerationResult."""
-    gen = stream(model, prompt, params, drafter=drafter, chat=chat)
+    batch: BatchConfig | None = None,
+) -> GenerationResult | list[GenerationResult]:
+    """Run a request to completion and return its GenerationResult.
+
+    A list of prompts (strings or token-id lists) is decoded together by the batched engine
+    (engine/batched.py), with one SamplingParams for all or one per prompt, and returns one result per prompt
+    in order (vLLM's `LLM.generate` shape). Each gets the tokens it would get alone; `drafter` is forked per
+    request (Drafter.fork), so the object passed in keeps no request's state."""
+    if _is_batch(prompt):
+        return generate_batch(model, list(prompt), params, drafter=drafter, chat=chat, batch=batch)
+    if params is not None and not isinstance(params, SamplingParams):
+        raise InvalidParameterError("one prompt takes one SamplingParams")
+    gen = stream(model, prompt, params, drafter=drafter, chat=chat)  # type: ignore[arg-type]
     for _ in gen:
         pass
     assert gen.result is not None
     return gen.result
+
+
+def _is_batch(prompt: object) -> bool:
+    """A list of prompts (not one prompt's token ids)."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+def generate_batch(
+    model: TargetModel,
+    prompts: list[str | list[int]],
+    params: SamplingParams | Sequence[SamplingParams] | None = None,
+    *,
+    drafter: Drafter | None = None,
+    chat: bool = True,
+    batch: BatchConfig | None = None,
+) -> list[GenerationResult]:
+    """Decode `prompts` together with the batched engine; one GenerationResult per prompt, in order."""
+    from byblock.engine.batched import BatchedEngineCore
+    from byblock.engine.core import EngineRequest
+
+    if params is None or isinstance(params, SamplingParams):
+        per = [params or SamplingParams()] * len(prompts)
+    else:
+        per = list(params)
+        if len(per) != len(prompts):
+            raise InvalidParameterError(f"{len(prompts)} prompts but {len(per)} SamplingParams")
+    ids = [model.encode_prompt(p, chat) if isinstance(p, str) else [int(t) for t in p] for p in prompts]
+    for one in ids:
+        check_prompt_fits(model, one)
+    core = BatchedEngineCore(model, {"drafter": drafter} if drafter is not None else {}, batch)
+    name = "drafter" if drafter is not None else "none"
+    for i, (one, p) in enumerate(zip(ids, per, strict=True)):
+        core.add_request(EngineRequest(str(i), tuple(one), p, name))
+    results: dict[str, GenerationResult] = {}
+    while core.has_unfinished():
+        for out in core.step():
+            if out.error is not None:
+                raise ByblockError(f"prompt {out.request_id}: {out.error}")
+            if out.result is not None:
+                results[out.request_id] = out.result
+    return [results[str(i)] for i in range(len(prompts))]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from byblock.kernels.ragged import BATCH_KWARG
+
 NAME = "byblock_sdpa"
 
 
@@ -30,6 +32,10 @@ def gqa_sdpa_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """query [B, H, T, D], key/value [B, Hkv, S, D], attention_mask additive or bool [B|1, 1, T, S] or None
     -> ([B, T, H, D], None), the contract of transformers' attention functions."""
+    if (batch := kwargs.pop(BATCH_KWARG, None)) is not None:  # a packed batch: per sequence (kernels/ragged.py)
+        return batch.attend(
+            gqa_sdpa_attention_forward, module, query, key, value, dropout=dropout, scaling=scaling, **kwargs
+        )
     if kwargs.get("softcap") is not None:
         raise ValueError("byblock's SDPA attention does not support softcapping; load the model with eager attention")
     t = query.shape[2]

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from byblock.kernels.fast_linear import InOutLinear
+from byblock.kernels.ragged import BATCH_KWARG
 
 NAME = "byblock_invariant"
 ALIGN = 64  # part A of a row's keys ends on a multiple of this, at least this many slots before the row
@@ -168,6 +169,8 @@ def invariant_attention_forward(
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if (batch := kwargs.pop(BATCH_KWARG, None)) is not None:  # a packed batch: per sequence (kernels/ragged.py)
+        return batch.attend(invariant_attention_forward, module, query, key, value, scaling=scaling, **kwargs)
     bsz, heads, t, dim = query.shape
     hkv, length = key.shape[1], key.shape[2]
     if length == t:  # no past: a prompt, identical in plain and speculative decoding

@@ -13,6 +13,7 @@ import torch
 
 from byblock.kernels.invariant import NAME as INVARIANT_ATTENTION
 from byblock.kernels.invariant import RowPlan
+from byblock.kernels.ragged import BATCH_KWARG, PackedBatch, Segment
 from byblock.kv.h2o import H2OState, tree_parents
 from byblock.kv.kv_cache import KVCache, StreamingWindow
 
@@ -24,6 +25,26 @@ class ForwardOutput:
     logits: torch.Tensor | None  # [B, T_kept, V] float; None when deferred (then `final` is set)
     hidden: torch.Tensor | None  # [B, T, k*H]: the requested layers' outputs, concatenated; None if none asked
     final: torch.Tensor | None = None  # [B, T, H]: the last layer's normed states, when logits were deferred
+
+
+@dataclass(frozen=True)
+class SegmentInput:
+    """One sequence's new tokens in a packed forward (TargetModel.forward_packed)."""
+
+    cache: KVCache  # the sequence's own cache; grows by len(input_ids) slots
+    input_ids: list[int]
+    positions: torch.Tensor | None = None  # [T] absolute RoPE positions (default: contiguous after the cache)
+    tree_mask: torch.Tensor | None = None  # [T, T] bool ancestor-or-self mask of a draft tree; None = causal
+
+
+@dataclass(frozen=True)
+class PackedOutput:
+    """Result of one packed forward; rows are packed rows (segment i's rows start at offsets[i])."""
+
+    logits: torch.Tensor  # [R, V] float: the logits of the rows asked for, in the order asked
+    final: torch.Tensor | None  # [ΣT, H]: the last layer's normed states, when asked for
+    hidden: torch.Tensor | None  # [ΣT, k*H]: the requested layers' outputs, concatenated
+    offsets: tuple[int, ...]
 
 
 def _as_id_set(value: object) -> set[int]:
@@ -76,6 +97,14 @@ class TargetModel:
         another attention function (Stem, H2O, SnapKV) has replaced them since."""
         cfg = self.hf.config
         return hasattr(cfg, "byblock_row_invariance") and cfg._attn_implementation == INVARIANT_ATTENTION
+
+    def defers_logits(self) -> bool:
+        """Whether logits are exactly `head` of the final normed states, so the head may run on chosen rows only
+        (checked once, on a one-token probe forward, when no forward has checked it yet)."""
+        if self._defers_logits is None:
+            probe = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            self.forward(probe, KVCache(device=self.device), defer_logits=True)
+        return bool(self._defers_logits)
 
     @property
     def has_chat_template(self) -> bool:
@@ -245,6 +274,86 @@ class TargetModel:
         if defer:
             return ForwardOutput(logits=None, hidden=hidden, final=out.last_hidden_state)
         return ForwardOutput(logits=out.logits, hidden=hidden)
+
+    def _segment_masks(
+        self, cache: KVCache, positions: torch.Tensor, tree_mask: torch.Tensor | None
+    ) -> dict[str, torch.Tensor | None]:
+        """The mask(s) these rows get in a forward of their own, per layer type (built before the cache grows)."""
+        if tree_mask is not None:
+            mask = self.tree_attention_mask(cache.length, positions, tree_mask, cache.pos)
+            return mask if isinstance(mask, dict) else {"full_attention": mask}
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        tc = self.text_config
+        embeds = torch.empty(1, positions.numel(), 1, dtype=self.dtype, device=self.device)  # shape/dtype only
+        kwargs = {"config": tc, "inputs_embeds": embeds, "attention_mask": None, "cache": cache.hf}
+        kwargs["position_ids"] = positions[None]
+        masks = {"full_attention": create_causal_mask(**kwargs)}
+        if "sliding_attention" in (getattr(tc, "layer_types", None) or ()):
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+        return masks
+
+    @torch.inference_mode()
+    def forward_packed(
+        self,
+        segments: list[SegmentInput],
+        logits_rows: list[int],
+        *,
+        hidden_layers: tuple[int, ...] = (),
+        keep_final: bool = False,
+    ) -> PackedOutput:
+        """Several sequences' new tokens in one forward, each against its own cache (kernels/ragged.py).
+
+        Every linear runs once over all ΣT rows; attention runs per sequence on exactly what a forward of that
+        sequence alone would compute, so with row-invariant linears each row's values are bitwise those of the
+        sequence's own `forward`. logits_rows: packed rows whose logits to compute (the LM head runs on those
+        only); keep_final: also return every row's normed final state (for `head` on more rows later).
+        Plain caches only: StreamingLLM, H2O and SnapKV caches decode one sequence at a time."""
+        if getattr(self.text_config, "use_bidirectional_attention", False):
+            raise ValueError("packed forwards support causal models only")
+        dev = self.device
+        parts, plan, pos, start = [], [], [], 0
+        invariant = self.row_invariant
+        for seg in segments:
+            cache, t = seg.cache, len(seg.input_ids)
+            if cache.window is not None or cache.h2o is not None or self.snapkv is not None:
+                raise ValueError("packed forwards need plain KV caches (no StreamingLLM, H2O or SnapKV)")
+            p = seg.positions
+            if p is None:
+                first = cache.next_position
+                p = torch.arange(first, first + t, device=dev)
+            masks = self._segment_masks(cache, p, seg.tree_mask)
+            row_plan = None
+            if invariant and cache.length > 0:
+                visible = seg.tree_mask
+                if visible is None:
+                    visible = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+                row_plan = RowPlan.build(cache.length, visible)
+            cache.record(p)
+            plan.append(Segment(cache, start, start + t, masks, row_plan))
+            parts.extend(seg.input_ids)
+            pos.append(p)
+            start += t
+        ids = torch.tensor([parts], device=dev)
+        positions = torch.cat(pos)[None]
+        # A prepared 4D mask makes transformers skip building one over the packed rows (attention ignores it).
+        skip = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev)
+        keep = torch.tensor(logits_rows, dtype=torch.long, device=dev)
+        kwargs = {BATCH_KWARG: PackedBatch(tuple(plan))}
+        out = self.hf(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=skip,
+            use_cache=False,
+            logits_to_keep=keep,
+            output_hidden_states=bool(hidden_layers) or keep_final,
+            **kwargs,
+        )
+        hidden = None
+        if hidden_layers:
+            hidden = torch.cat([out.hidden_states[i + 1][0] for i in hidden_layers], dim=-1)
+        final = out.hidden_states[-1][0] if keep_final else None
+        return PackedOutput(out.logits[0], final, hidden, tuple(s.start for s in plan))
 
     def head(self, final: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] from the last layer's normed states [..., H] (the output embedding)."""

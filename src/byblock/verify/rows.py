@@ -35,14 +35,17 @@ class TargetRows:
         children: list[list[int]],
         vocab: int,
         first: int = FIRST_ROWS,
+        known: torch.Tensor | None = None,
     ) -> None:
         """final: [N+1, H] the last layer's normed hidden states; head: [k, H] -> [k, V] logits;
-        children: Draft.children() of the draft being verified (subtrees say which rows stay reachable)."""
+        children: Draft.children() of the draft being verified (subtrees say which rows stay reachable);
+        known: logits [k, V] of rows 0..k-1 already computed (the batched engine runs the first rows of every
+        request's verify in one head pass), k = min(first, N+1)."""
         self._final = final
         self._head = head
         self._children = children
         self._first = max(1, first)
-        self._rows: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, torch.Tensor] = {} if known is None else dict(enumerate(known))
         self.shape = (final.shape[0], vocab)
         self.device = final.device
         self.head_calls = 0  # passes of the head (each streams its weights once)

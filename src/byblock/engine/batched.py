@@ -1,0 +1,201 @@
+"""The batched engine: many requests per target forward, plain and speculative, each exactly its solo output.
+
+One `step()` is the whole flow (nano-vllm's shape):
+
+    schedule   preempt for the KV budget; admit waiting requests (engine/scheduler.py)
+    draft      every running request proposes its own draft (its own drafter fork): chains, trees, nothing
+    run        one packed forward over every request's rows: prompts, plain steps, ragged verify blocks, each
+               against its own cache (models/adapter.py forward_packed, kernels/ragged.py); the LM head runs
+               once over the rows verification reads first
+    sample     per request: choose / verify with its own generator, commit its accepted slots, observe
+    emit       text deltas through each request's OutputProcessor; finished requests leave the batch
+
+Why each request gets exactly its solo tokens: its rows meet other requests' rows only in the linears, which
+are row-invariant (byblock's packed fp32 GEMM: every output is one FMA chain over k, whatever the row count);
+attention, sampling and drafting are per request, in the single-request loops' order. So in fp32 on the packed
+kernels a request's greedy output, and its seeded sampled output, equal what `generate` produces for it alone
+(tests/test_batch_exact.py). Library kernels (bf16 without the invariant rules, a GPU's GEMMs) are not
+row-invariant: there a batched request is lossless (identical in law) but may differ from its solo run at
+near-ties. A preempted request is recomputed, with the same caveat (engine/scheduler.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from byblock.drafters.base import Drafter
+from byblock.engine.api import check_prompt_fits
+from byblock.engine.core import EngineRequest, RequestOutput
+from byblock.engine.output import merge_events
+from byblock.engine.scheduler import BatchConfig, Scheduler
+from byblock.engine.sequence import Round, Sequence
+from byblock.errors import ByblockError
+from byblock.models.adapter import TargetModel
+from byblock.models.devices import device_clock
+
+
+def round_rows(drafter: Drafter | None) -> int:
+    """The most rows one round of this drafter puts in a forward (root + deepest chain or largest tree)."""
+    if drafter is None:
+        return 1
+    nodes = [drafter.block_size] + [int(getattr(drafter, k, 0) or 0) for k in ("budget", "max_budget", "tree_budget")]
+    return 1 + max(nodes)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the last step ran (the server's batch metrics)."""
+
+    seqs: int = 0  # requests in the forward
+    rows: int = 0  # packed rows
+    prefills: int = 0
+    forward_s: float = 0.0
+
+
+class BatchedEngineCore:
+    """EngineCore over continuous batching (see the module docstring)."""
+
+    def __init__(
+        self, model: TargetModel, drafters: Mapping[str, Drafter | None], config: BatchConfig | None = None
+    ) -> None:
+        self.model = model
+        self.drafters = {"none": None, **drafters}
+        self.drafter_names = tuple(self.drafters)
+        self.config = config or BatchConfig()
+        self.scheduler = Scheduler(self.config)
+        self._seqs: dict[str, Sequence] = {}
+        self._failed: list[RequestOutput] = []  # requests refused at add time, reported by the next step
+        self.clock = device_clock(model.device)
+        # CPU: the LM head runs on the rows a verification reads (verify/rows.py); on a GPU every row costs one.
+        self.lazy_head = model.device.type == "cpu" and model.defers_logits()
+        self.last_step = StepStats()
+
+    # -- the EngineCore contract -------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; a bad one is answered by the next step with an error output."""
+        try:
+            if request.drafter not in self.drafters:
+                raise ByblockError(f"drafter '{request.drafter}' is not loaded")
+            ids = list(request.prompt_ids)
+            check_prompt_fits(self.model, ids)
+        except ByblockError as e:
+            self._failed.append(RequestOutput(request.request_id, error=str(e)))
+            return
+        base = self.drafters[request.drafter]
+        seq = Sequence(
+            request.request_id,
+            ids,
+            request.params,
+            self.model,
+            base.fork() if base is not None else None,
+            time.perf_counter(),
+        )
+        self._seqs[request.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request, queued or running; its cache is freed at once."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+        self._failed = [f for f in self._failed if f.request_id != request_id]
+
+    def has_unfinished(self) -> bool:
+        """True while a request is queued or running (or a refusal is still to be reported)."""
+        return bool(self._seqs) or bool(self._failed)
+
+    def num_waiting(self) -> int:
+        """Requests queued (preempted ones included)."""
+        return len(self.scheduler.waiting)
+
+    def num_running(self) -> int:
+        """Requests in the batch."""
+        return len(self.scheduler.running)
+
+    def kv_usage(self) -> tuple[int, int | None]:
+        """(cache slots held, the KV budget or None)."""
+        return self.scheduler.kv_tokens(), self.config.max_kv_tokens
+
+    @property
+    def preemptions(self) -> int:
+        """Requests preempted (their caches dropped and recomputed) since start."""
+        return self.scheduler.preemptions
+
+    # -- one step ------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, draft, run one packed forward, sample, emit (see the module docstring)."""
+        outputs, self._failed = self._failed, []
+        sched = self.scheduler
+        slack = {rid: round_rows(seq.drafter) for rid, seq in self._seqs.items()}
+        sched.preempt_for_kv(slack)
+        rounds: list[tuple[Sequence, Round]] = []
+        for seq in [s for s in sched.running if s.cache is not None]:
+            try:
+                rounds.append((seq, seq.plan(self.lazy_head, self.clock)))
+            except Exception as e:  # a drafter's failure fails its request, never the batch
+                outputs.append(self._fail(seq, e))
+        rows = sum(len(r.segment.input_ids) for _, r in rounds)
+        rounds += [(seq, seq.plan(self.lazy_head, self.clock)) for seq in sched.admit(rows, slack)]
+        if not rounds:
+            return outputs
+        starts, logits_rows, layers, total = [], [], set(), 0
+        for seq, rnd in rounds:
+            t = len(rnd.segment.input_ids)
+            starts.append(total)
+            first = total + t - 1 if rnd.prefill else total  # a prompt's last row; a round's first rows
+            logits_rows.extend(range(first, first + rnd.rows))
+            if seq.drafter is not None:
+                layers.update(seq.drafter.hidden_layers)
+            total += t
+        keep_final = self.lazy_head and any(r.draft is not None and r.rows < r.draft.num_nodes + 1 for _, r in rounds)
+        t0 = self.clock()
+        try:
+            out = self.model.forward_packed(
+                [r.segment for _, r in rounds], logits_rows, hidden_layers=tuple(sorted(layers)), keep_final=keep_final
+            )
+        except Exception as e:  # a bug in the forward fails this step's requests, never the engine thread
+            return outputs + [self._fail(seq, e) for seq, _ in rounds]
+        forward_s = self.clock() - t0
+        self.last_step = StepStats(len(rounds), total, sum(r.prefill for _, r in rounds), forward_s)
+        at = 0
+        for (seq, rnd), start in zip(rounds, starts, strict=True):
+            first_logits = out.logits[at : at + rnd.rows]
+            at += rnd.rows
+            try:
+                events = seq.finish(rnd, out, start, first_logits, forward_s)
+            except Exception as e:
+                outputs.append(self._fail(seq, e))
+                continue
+            outputs.extend(self._emit(seq, events))
+        return outputs
+
+    def _emit(self, seq: Sequence, events) -> list[RequestOutput]:
+        """The step's text for one request, and its result when it is done."""
+        proc = seq.output
+        deltas = [d for d in (proc.push(ev) for ev in events) if d is not None]
+        if proc.done:
+            tail = proc.close()
+            if tail is not None:
+                deltas.append(tail)
+        outs = []
+        merged = merge_events(deltas)
+        if merged is not None:
+            outs.append(RequestOutput(seq.request_id, event=merged))
+        if proc.done:
+            drafter = seq.drafter
+            result = proc.result(drafter.name if drafter else "none", drafter.block_size if drafter else 1, seq.stats)
+            outs.append(RequestOutput(seq.request_id, result=result))
+            self._release(seq)
+        return outs
+
+    def _fail(self, seq: Sequence, e: Exception) -> RequestOutput:
+        self._release(seq)
+        if isinstance(e, ByblockError):
+            return RequestOutput(seq.request_id, error=str(e))
+        return RequestOutput(seq.request_id, error=f"internal error: {type(e).__name__}: {e}", internal=True)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)

@@ -1,0 +1,160 @@
+"""One request inside the batched engine: its cache, drafter, generator and stopping state, and its rounds.
+
+A round is what one request contributes to one packed forward and what it does with the result; the order
+of operations is the single-request loops' (engine/plain.py, engine/spec_loop.py), so a request computes in a
+batch exactly what it computes alone:
+
+    plan    prefill: the prompt                        -> rows: the last one (its logits pick the first token)
+            decode:  [root, x_1 .. x_N] from propose()  -> rows: the ones verification reads first (CPU), or all
+    finish  prefill: choose the first token, start the drafter on the prompt's hidden states
+            decode:  verify → commit the accepted slots → observe → the accepted tokens + one target token
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from byblock.drafters.base import Drafter
+from byblock.engine.output import OutputProcessor
+from byblock.engine.types import SpecStats, TokenEvent
+from byblock.kv.kv_cache import KVCache
+from byblock.models.adapter import PackedOutput, SegmentInput, TargetModel
+from byblock.sampling.params import SamplingParams
+from byblock.sampling.processors import choose, make_generator
+from byblock.verify import Draft, TargetRows, verify
+from byblock.verify.rows import FIRST_ROWS
+
+
+class Phase(Enum):
+    """Where a request is."""
+
+    WAITING = "waiting"  # queued, or preempted: no cache
+    RUNNING = "running"  # prefilled: a cache and a root token
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Round:
+    """One request's part of a packed forward."""
+
+    segment: SegmentInput
+    rows: int  # logits rows it needs from the forward's head pass (its first rows)
+    past: int  # cache slots before the forward
+    draft: Draft | None  # None: a prefill or a plain step
+    prefill: bool
+    draft_s: float = 0.0
+
+
+class Sequence:
+    """A request's decoding state (see the module docstring)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        model: TargetModel,
+        drafter: Drafter | None,
+        arrival: float,
+    ) -> None:
+        """drafter: this request's own (a fork of the engine's, see Drafter.fork), or None for plain decoding."""
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.model = model
+        self.drafter = drafter
+        self.arrival = arrival
+        self.phase = Phase.WAITING
+        self.tokens: list[int] = []  # committed: prompt + generated (the last one is the root, not yet cached)
+        self.cache: KVCache | None = None
+        self.generator = make_generator(params.seed, model.device)
+        self.stats = SpecStats()
+        self.output = OutputProcessor(model, prompt_ids, params, arrival)
+        self.preemptions = 0
+
+    @property
+    def generated(self) -> int:
+        """Tokens produced so far."""
+        return max(0, len(self.tokens) - len(self.prompt_ids))
+
+    @property
+    def kv_tokens(self) -> int:
+        """Slots this request holds (or will hold once prefilled)."""
+        return max(len(self.tokens), len(self.prompt_ids))
+
+    def preempt(self) -> None:
+        """Drop the cache; the next prefill recomputes every committed token but the root."""
+        self.cache = None
+        self.phase = Phase.WAITING
+        self.preemptions += 1
+
+    def plan(self, lazy_head: bool, clock) -> Round:
+        """This step's segment: the prompt (or, after a preemption, the committed tokens) or a verify block."""
+        if self.phase is Phase.WAITING:
+            self.cache = self.model.new_cache()
+            ids = self.tokens[:-1] if self.tokens else self.prompt_ids  # tokens: a preempted request's history
+            return Round(SegmentInput(self.cache, ids), rows=0 if self.tokens else 1, past=0, draft=None, prefill=True)
+        assert self.cache is not None
+        root = self.tokens[-1]
+        if self.drafter is None:
+            return Round(SegmentInput(self.cache, [root]), rows=1, past=self.cache.length, draft=None, prefill=False)
+        # Never draft past what can still be emitted (the round adds one token of its own) or the context.
+        budget = min(self.params.max_new_tokens - self.generated, self.model.max_context - len(self.tokens)) - 1
+        t0 = clock()
+        draft = self.drafter.propose(self.tokens, budget) if budget > 0 else Draft.empty()
+        draft_s = clock() - t0
+        past = self.cache.length
+        positions = tree_mask = None
+        if not draft.is_chain:
+            depths = torch.tensor([0, *draft.depths().tolist()], device=self.model.device)
+            positions = self.cache.next_position + depths
+            tree_mask = draft.ancestor_mask(self.model.device)
+        segment = SegmentInput(self.cache, [root, *draft.tokens.tolist()], positions, tree_mask)
+        rows = min(FIRST_ROWS, draft.num_nodes + 1) if lazy_head else draft.num_nodes + 1
+        return Round(segment, rows=rows, past=past, draft=draft, prefill=False, draft_s=draft_s)
+
+    def finish(self, rnd: Round, out: PackedOutput, start: int, first_logits: torch.Tensor, verify_s: float):
+        """Apply the forward's result; returns the TokenEvents this round produced.
+
+        start: the segment's first packed row; first_logits: [rnd.rows, V] its rows' logits."""
+        assert self.cache is not None
+        end = start + len(rnd.segment.input_ids)
+        hidden = out.hidden[start:end][None] if out.hidden is not None else None  # [1, T, k*H]
+        if rnd.prefill:
+            self.phase = Phase.RUNNING
+            if self.tokens:  # recomputed after a preemption: the root is already chosen
+                if self.drafter is not None:
+                    self.drafter.start(self.tokens[:-1], hidden, self.params, self.generator)
+                return []
+            token = choose(first_logits[0], self.params, self.generator)
+            self.tokens = [*self.prompt_ids, token]
+            if self.drafter is not None:
+                self.drafter.start(self.prompt_ids, hidden, self.params, self.generator)
+            return [TokenEvent(token, from_draft=False)]
+        draft = rnd.draft
+        if draft is None:  # a plain step
+            token = choose(first_logits[0], self.params, self.generator)
+            self.tokens.append(token)
+            self.stats.record(0, 0, 0, 0.0, verify_s)
+            return [TokenEvent(token, from_draft=False)]
+        logits: torch.Tensor | TargetRows = first_logits
+        if first_logits.shape[0] < draft.num_nodes + 1:  # the rest of the rows on demand (verify/rows.py)
+            assert out.final is not None
+            final, vocab = out.final[start:end], self.model.vocab_size
+            logits = TargetRows(final, self.model.head, draft.children(), vocab, known=first_logits)
+        verdict = verify(draft, logits, self.params, self.generator)
+        dev = self.model.device
+        path = torch.tensor(verdict.path, dtype=torch.long, device=dev)
+        self.cache.commit(rnd.past + 1, rnd.past + 1 + path)
+        if hidden is not None:
+            keep = torch.tensor([0, *(i + 1 for i in verdict.path)], dtype=torch.long, device=dev)
+            hidden = hidden[:, keep]  # [1, 1+a, k*H]
+        assert self.drafter is not None
+        self.drafter.observe(verdict, hidden)
+        depth = int(draft.depths().max()) if draft.num_nodes else 0
+        self.stats.record(depth, draft.num_nodes, verdict.num_accepted, rnd.draft_s, verify_s)
+        self.tokens.extend(verdict.tokens)
+        return [TokenEvent(t, from_draft=j < verdict.num_accepted) for j, t in enumerate(verdict.tokens)]
