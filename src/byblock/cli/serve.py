@@ -33,6 +33,26 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of chat requests")
     parser.add_argument("--max-tokens-limit", type=int, default=4096, help="larger max_tokens is a 400 error")
+    parser.add_argument(
+        "--engine",
+        default="batched",
+        choices=["batched", "fifo"],
+        help="batched: continuous batching, many requests per forward (default); fifo: one request at a time",
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="batched: requests decoded together")
+    parser.add_argument(
+        "--max-queue", type=int, default=64, help="requests waiting beyond the running ones; more get a 503"
+    )
+    parser.add_argument(
+        "--max-batched-tokens", type=int, default=2048, help="batched: rows per forward (prompts wait beyond it)"
+    )
+    parser.add_argument(
+        "--max-kv-tokens",
+        type=int,
+        default=None,
+        help="batched: KV-cache slots of all running requests together; past it the newest is preempted "
+        "(default: no limit)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--trust-remote-code", action="store_true", help="allow hub checkpoints to run code")
     from byblock.cli.generate_dllm import add_dllm_args
@@ -66,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1 or args.max_tokens_limit < args.max_tokens:
         raise ByblockError("need 1 <= --max-tokens <= --max-tokens-limit")
+    if args.max_queue < 0:
+        raise ByblockError("--max-queue must be >= 0")
+    batch = _batch_config(args)
     _check_port(args.host, args.port)
     logging.basicConfig(level=args.log_level.upper(), format="%(message)s", stream=sys.stderr)
     from byblock.dllm.loading import is_dllm_checkpoint
@@ -73,17 +96,20 @@ def run(args: argparse.Namespace) -> int:
     if is_dllm_checkpoint(args.model):
         model, core, default = _dllm_core(args)
     else:
-        model, core, default = _ar_core(args)
+        model, core, default = _ar_core(args, batch)
+    running = batch.max_num_seqs if args.engine == "batched" and not is_dllm_checkpoint(args.model) else 1
     config = ServerConfig(
         model_name=args.served_model_name or args.model,
         default_drafter=default,
         default_max_tokens=args.max_tokens,
         max_tokens_limit=args.max_tokens_limit,
+        max_pending=running + args.max_queue,
     )
     app = create_app(model, core, config)
     sys.stderr.write(
         f"byblock serve: {config.model_name} with drafters {', '.join(core.drafter_names)} "
-        f"(default {default}) on http://{args.host}:{args.port}/  (playground at /, metrics at /metrics)\n"
+        f"(default {default}), engine {type(core).__name__}, on http://{args.host}:{args.port}/  "
+        "(playground at /, metrics at /metrics)\n"
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
@@ -105,9 +131,19 @@ def _dllm_core(args: argparse.Namespace):
     return tokenizing, DllmEngineCore(loaded.denoiser, loaded.tokenizer, loaded.eos_token_ids, cfg), "none"
 
 
-def _ar_core(args: argparse.Namespace):
-    """An autoregressive model with its drafters."""
+def _batch_config(args: argparse.Namespace):
+    """The batched engine's limits (validated: a bad value is a one-line error)."""
+    from byblock.engine.scheduler import BatchConfig
+
+    return BatchConfig(
+        max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens, max_kv_tokens=args.max_kv_tokens
+    )
+
+
+def _ar_core(args: argparse.Namespace, batch):
+    """An autoregressive model with its drafters, behind the batched or the FIFO engine."""
     from byblock.drafters import DrafterSpec, build_drafter
+    from byblock.engine.batched import BatchedEngineCore
     from byblock.engine.core import SerialEngineCore
     from byblock.models.loading import load_model
 
@@ -127,4 +163,21 @@ def _ar_core(args: argparse.Namespace):
     drafters = {text: build_drafter(spec, model, dtype=args.dtype) for text, spec in specs.items()}
     drafters.pop("none", None)
     default = args.drafter[0] if args.drafter else "none"
-    return model, SerialEngineCore(model, drafters), default
+    if args.engine == "fifo" or not _batchable(model):
+        return model, SerialEngineCore(model, drafters), default
+    return model, BatchedEngineCore(model, drafters, batch), default
+
+
+def _batchable(model) -> bool:
+    """Whether packed forwards run on this model: byblock's attention kernels and plain KV caches (StreamingLLM,
+    H2O, SnapKV and Stem decode one request at a time; the server then falls back to the FIFO engine)."""
+    from byblock.kernels.gqa_sdpa import NAME as GQA
+    from byblock.kernels.invariant import NAME as INVARIANT
+
+    ok = model.hf.config._attn_implementation in (GQA, INVARIANT) and model.kv_window is None
+    ok = ok and model.h2o is None and model.snapkv is None
+    if not ok:
+        logging.getLogger("byblock").warning(
+            "warning: this model's attention or KV policy decodes one request at a time; using --engine fifo"
+        )
+    return ok

@@ -22,10 +22,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from byblock import __version__
 from byblock.engine.api import check_prompt_fits
+from byblock.engine.batched import BatchedEngineCore
 from byblock.engine.core import EngineCore, EngineRequest, RequestOutput
 from byblock.engine.types import GenerationResult
 from byblock.errors import ByblockError, ContextLengthError
@@ -55,6 +57,8 @@ class ServerConfig:
     default_drafter: str = "none"
     default_max_tokens: int = 512  # chat requests without max_tokens (never past the context)
     max_tokens_limit: int = 4096  # larger max_tokens is a 400
+    max_pending: int | None = None  # requests in the engine (running + queued) past which new ones get a 503
+    retry_after_s: int = 1  # the Retry-After of a 503
 
 
 class ApiError(Exception):
@@ -78,6 +82,9 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig) -> Fa
     """The server app. `core` owns the model from its engine thread; handlers only tokenize."""
     engine = AsyncEngine(core)
     metrics = ServerMetrics(queue_depth=core.num_waiting, running=core.num_running)
+    if isinstance(core, BatchedEngineCore):
+        metrics.watch_batches(core)
+    pending: set[str] = set()  # request ids handed to the engine, not finished (the event loop's: no lock needed)
     if config.default_drafter not in core.drafter_names:
         raise ByblockError(f"default drafter '{config.default_drafter}' is not loaded")
 
@@ -200,16 +207,35 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig) -> Fa
         }
         log.info(json.dumps(line))
 
+    def overloaded(request: Request) -> JSONResponse:
+        """503 + Retry-After: the engine holds max_pending requests (vLLM/OpenAI clients retry on it)."""
+        response = rejected(
+            request, 503, f"the server is at capacity ({config.max_pending} requests); retry later", None, "overloaded"
+        )
+        response.headers["Retry-After"] = str(config.retry_after_s)
+        return response
+
     async def handle(body: CompletionRequest | ChatCompletionRequest, http: Request, chat: bool) -> Response:
         arrived = time.perf_counter()
         endpoint = "chat" if chat else "completions"
         req = resolve(body, chat)
-        if body.stream:
+        if config.max_pending is not None and len(pending) >= config.max_pending:
+            return overloaded(http)
+        pending.add(req.request_id)
+        if body.stream:  # released by the stream's end, or after the response if the stream never started
             return StreamingResponse(
                 stream(req, chat, body.include_usage, arrived, endpoint),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                background=BackgroundTask(pending.discard, req.request_id),
             )
+        try:
+            return await respond(req, http, chat, arrived, endpoint)
+        finally:
+            pending.discard(req.request_id)
+
+    async def respond(req: EngineRequest, http: Request, chat: bool, arrived: float, endpoint: str) -> Response:
+        """A non-streamed request: wait for its result, aborting it if the client goes away."""
         ttft: float | None = None
         result: GenerationResult | None = None
         failure: RequestOutput | None = None
@@ -265,6 +291,7 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig) -> Fa
                     status = "ok"
             yield _sse("[DONE]")
         finally:
+            pending.discard(req.request_id)
             finish(endpoint, status, req, arrived, ttft, result if status == "ok" else None, True)
 
     @app.post("/v1/completions", summary="OpenAI completions (byblock extension: `drafter`)")

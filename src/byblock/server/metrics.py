@@ -23,6 +23,14 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 
 TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 
 
+def _usage(core) -> Callable[[], float]:
+    def usage() -> float:
+        held, budget = core.kv_usage()
+        return held / budget if budget else 0.0
+
+    return usage
+
+
 class ServerMetrics:
     """Every metric the server exports, registered on a private registry."""
 
@@ -73,6 +81,19 @@ class ServerMetrics:
         g = Gauge("byblock_running_requests", "Requests being decoded", registry=r)
         g.set_function(running)
         self._totals: dict[str, list[int]] = {}  # drafter -> [rounds, emitted, drafted, accepted]
+
+    def watch_batches(self, core) -> None:
+        """Batch, KV-cache and preemption gauges read from a BatchedEngineCore at scrape time."""
+        r = self.registry
+        gauges = (
+            ("byblock_batch_size", "Requests in the engine's last forward", lambda: core.last_step.seqs),
+            ("byblock_batch_rows", "Token rows in the engine's last forward", lambda: core.last_step.rows),
+            ("byblock_kv_cache_tokens", "KV-cache slots held by running requests", lambda: core.kv_usage()[0]),
+            ("byblock_kv_cache_usage", "KV slots held / --max-kv-tokens (0: no budget)", _usage(core)),
+            ("byblock_preemptions", "Requests preempted (recomputed) since start", lambda: core.preemptions),
+        )
+        for name, doc, fn in gauges:
+            Gauge(name, doc, registry=r).set_function(fn)
 
     def observe_result(self, result: GenerationResult, ttft_s: float, e2e_s: float) -> None:
         """Record a finished generation; ttft_s / e2e_s are wall times from the request's arrival."""
