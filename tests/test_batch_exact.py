@@ -110,12 +110,15 @@ def test_random_mix_matches_solo(setup, reqs, max_seqs, budget):
     aborts: dict[int, list[str]] = {}
     expected = {}
     for i, r in enumerate(reqs):
+        # The adaptive drafter sizes drafts from measured times and a sampled verify draws per drafted node, so its
+        # sampled output is reproducible in law only, alone as much as batched: greedy for it.
+        sampled = r["sampled"] and r["drafter"] != "adaptive"
         g = torch.Generator().manual_seed(r["seed"])
         ids = torch.randint(3, target.vocab_size, (r["prompt_len"],), generator=g).tolist()
         params = SamplingParams(
             max_new_tokens=r["max_new"],
-            temperature=0.8 if r["sampled"] else 0.0,
-            top_k=20 if r["sampled"] else 0,
+            temperature=0.8 if sampled else 0.0,
+            top_k=20 if sampled else 0,
             seed=r["seed"],
             stop=("e",) if r["stop"] else (),
         )
@@ -144,7 +147,7 @@ def test_every_drafter_batched_together(setup):
     arrivals = {0: []}
     cases = {}
     for i, name in enumerate(names):
-        for sampled in (False, True):
+        for sampled in (False, True) if name != "adaptive" else (False,):  # see test_random_mix_matches_solo
             ids = target.encode_prompt(REPETITIVE if i % 2 else "def add(a, b):", chat=True)
             params = SamplingParams(max_new_tokens=20, temperature=0.9 if sampled else 0.0, seed=i, ignore_eos=True)
             rid = f"{name}-{sampled}"

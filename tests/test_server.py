@@ -19,25 +19,41 @@ from tiny import make_dflash, make_target
 from byblock.drafters.dflash import DFlashDrafter
 from byblock.drafters.ngram import NgramConfig, NgramDrafter
 from byblock.engine.api import generate
+from byblock.engine.batched import BatchedEngineCore
 from byblock.engine.core import SerialEngineCore
+from byblock.engine.scheduler import BatchConfig
 from byblock.sampling.params import SamplingParams
 from byblock.server.app import ServerConfig, create_app
 
 MODEL = "tiny-llama"
 
 
-def build_app(max_tokens_limit: int = 4096, chat_template: str | None = None):
-    """A fresh app over a tiny llama with ngram and dflash drafters (optionally another chat template)."""
-    target = make_target("llama")
+def build_app(
+    max_tokens_limit: int = 4096,
+    chat_template: str | None = None,
+    engine: str = "batched",
+    max_num_seqs: int = 8,
+    max_pending: int | None = None,
+):
+    """A fresh app over a tiny llama (fp32, packed GEMM, as load_model sets it up) with ngram and dflash drafters,
+    behind the batched engine (the server's default) or the FIFO one; optionally another chat template."""
+    target = make_target("llama", packed=True)
     if chat_template is not None:
         target.tokenizer.chat_template = chat_template
     drafters = {
         "ngram": NgramDrafter(NgramConfig(block_size=4)),
         "dflash": DFlashDrafter(make_dflash(target, block=4), target),
     }
-    core = SerialEngineCore(target, drafters)
+    if engine == "batched":
+        core = BatchedEngineCore(target, drafters, BatchConfig(max_num_seqs=max_num_seqs))
+    else:
+        core = SerialEngineCore(target, drafters)
     cfg = ServerConfig(
-        model_name=MODEL, default_drafter="ngram", default_max_tokens=64, max_tokens_limit=max_tokens_limit
+        model_name=MODEL,
+        default_drafter="ngram",
+        default_max_tokens=64,
+        max_tokens_limit=max_tokens_limit,
+        max_pending=max_pending,
     )
     return target, create_app(target, core, cfg)
 
@@ -151,8 +167,19 @@ def test_stop_strings_and_seeded_sampling(server):
         assert cut.choices[0].finish_reason == "stop"
 
 
-def test_concurrent_clients_get_their_solo_outputs(server):
-    url, _ = server
+@pytest.fixture(scope="module")
+def fifo_server():
+    """(base_url, target) of a server on the FIFO engine (`--engine fifo`)."""
+    target, app = build_app(engine="fifo")
+    with running(app) as url:
+        yield url, target
+
+
+@pytest.mark.parametrize("which", ["server", "fifo_server"])
+def test_concurrent_clients_get_their_solo_outputs(which, request):
+    """12 concurrent clients (greedy and seeded, streamed or not, three drafters) each get their solo text:
+    batched into shared forwards, or one at a time."""
+    url, _ = request.getfixturevalue(which)
     jobs = [
         ("The quick brown fox", "ngram", 0.0, None, False),
         ("def add(a, b):", "dflash", 1.0, 11, True),
@@ -289,3 +316,33 @@ def test_extreme_sampling_values_decode_greedily(server, extreme):
     greedy = c.completions.create(model=MODEL, prompt="def add", max_tokens=8, temperature=0)
     edge = c.completions.create(model=MODEL, prompt="def add", max_tokens=8, seed=3, **extreme)
     assert edge.choices[0].text == greedy.choices[0].text
+
+
+def test_a_full_server_answers_503_with_retry_after():
+    """Past max_pending requests in the engine a request gets a 503 with Retry-After; a slot frees when one ends."""
+    _, app = build_app(max_num_seqs=1, max_pending=2)
+    body = {"model": MODEL, "prompt": "The quick", "max_tokens": 200, "temperature": 0, "drafter": "none"}
+    with running(app) as url:
+        with cf.ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body, timeout=120), range(6)))
+        codes = sorted(r.status_code for r in replies)
+        assert codes.count(200) >= 2 and 503 in codes, codes
+        full = next(r for r in replies if r.status_code == 503)
+        assert full.headers["Retry-After"] == "1"
+        assert full.json()["error"]["code"] == "overloaded" and "capacity" in full.json()["error"]["message"]
+        c = client(url)
+        with pytest.raises(openai.InternalServerError), cf.ThreadPoolExecutor(4) as pool:  # a 5xx to the client
+            list(pool.map(lambda _: c.completions.create(model=MODEL, prompt="The quick", max_tokens=200), range(4)))
+        ok = client(url).completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0)
+        assert ok.choices[0].text is not None
+
+
+def test_batch_metrics(server):
+    """The batched engine's gauges: batch size and rows of the last forward, KV slots held, preemptions."""
+    url, _ = server
+    with cf.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda p: chat(client(url), p, "dflash", max_tokens=24, temperature=0), ["a", "b", "c", "d"]))
+    m = metric_values(url)
+    assert m[("byblock_batch_size", ())] >= 1 and m[("byblock_batch_rows", ())] >= 1
+    assert m[("byblock_kv_cache_tokens", ())] == 0  # every request finished: every cache freed
+    assert m[("byblock_preemptions", ())] == 0 and m[("byblock_kv_cache_usage", ())] == 0

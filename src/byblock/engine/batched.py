@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from byblock.drafters.base import Drafter
 from byblock.engine.api import check_prompt_fits
 from byblock.engine.core import EngineRequest, RequestOutput
-from byblock.engine.output import merge_events
 from byblock.engine.scheduler import BatchConfig, Scheduler
 from byblock.engine.sequence import Round, Sequence
 from byblock.errors import ByblockError
@@ -179,10 +178,8 @@ class BatchedEngineCore:
             tail = proc.close()
             if tail is not None:
                 deltas.append(tail)
-        outs = []
-        merged = merge_events(deltas)
-        if merged is not None:
-            outs.append(RequestOutput(seq.request_id, event=merged))
+        # One output per delta, as the FIFO engine streams them: a client sees which text came from drafts.
+        outs = [RequestOutput(seq.request_id, event=d) for d in deltas]
         if proc.done:
             drafter = seq.drafter
             result = proc.result(drafter.name if drafter else "none", drafter.block_size if drafter else 1, seq.stats)

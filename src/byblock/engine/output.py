@@ -82,12 +82,3 @@ class OutputProcessor:
             stats=stats,
         )
 
-
-def merge_events(events: list[StreamEvent]) -> StreamEvent | None:
-    """Several deltas of one step as one (the batched engine emits one output per request per step)."""
-    if not events:
-        return None
-    if len(events) == 1:
-        return events[0]
-    tokens = tuple(t for e in events for t in e.tokens)
-    return StreamEvent("".join(e.text for e in events), tokens, events[-1].elapsed_s)
