@@ -31,7 +31,11 @@ REPETITIVE = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 
 
 def _drafters(target) -> dict:
-    dflash = DFlashDrafter(make_dflash(target, block=4), target)
+    from byblock.kernels.packed_gemm import pack_linears
+
+    net = make_dflash(target, block=4)
+    pack_linears(net, target.hf.get_output_embeddings().kernel)  # as build_drafter sets a drafter up beside its target
+    dflash = DFlashDrafter(net, target)
     head = DominoHead(DominoConfig(target.hidden_size, target.vocab_size, gru_hidden_dim=16, emb_dim=8))
     with torch.no_grad():
         head.proj_out.weight.normal_(0, 0.5)  # a correction that changes drafts (zero init is the identity)
@@ -216,3 +220,27 @@ def test_generate_list_api(setup):
         assert res.token_ids == generate(target, p, sp, drafter=drafters["ddtree"].fork()).token_ids
     with pytest.raises(ValueError, match="2 SamplingParams"):
         generate(target, prompts, params[:2])
+
+
+def test_batched_drafter_forward_is_bitwise_each_forks_own(setup):
+    """draft_blocks: several forks' DFlash blocks in one drafter forward equal each fork's own forward."""
+    from byblock.drafters.dflash import draft_blocks
+
+    target, drafters = setup
+    base = drafters["dflash"]
+    params = SamplingParams()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, target.vocab_size, (n,), generator=g).tolist() for n in (9, 17, 4)]
+    solo, batched = [], []
+    for ids in prompts:
+        out = target.forward(torch.tensor([ids]), target.new_cache(), hidden_layers=base.hidden_layers)
+        for group in (solo, batched):
+            fork = base.fork()
+            fork.start(ids, out.hidden, params, None)
+            group.append(fork)
+    want = [d.draft_logits(5, len(ids), 3) for d, ids in zip(solo, prompts, strict=True)]  # anchor after the prompt
+    draft_blocks([(d, 5, len(ids), 3) for d, ids in zip(batched, prompts, strict=True)])
+    for d, s, ids, w in zip(batched, solo, prompts, want, strict=True):
+        assert torch.equal(d.draft_logits(5, len(ids), 3), w)
+        for mine, theirs in zip(d._cache, s._cache, strict=True):  # the same context K/V per layer
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))

@@ -57,8 +57,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--batch",
         type=int,
         default=1,
-        help="prompts per batch: vLLM peers get each batch as one engine call; byblock's methods answer a batch "
-        "one request after another (tok/s = a batch's tokens / its wall time)",
+        help="prompts per batch: byblock's methods decode a batch together on the batched engine, vLLM and "
+        "llama.cpp peers get it as one engine call, transformers' methods answer it one request after another "
+        "(tok/s = a batch's tokens / its wall time)",
     )
     parser.add_argument(
         "--vllm-python",

@@ -52,6 +52,7 @@ DDTree build serves every candidate N. The choice never affects correctness: ver
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 
 import torch
 
@@ -166,6 +167,17 @@ class CostModel:
         return ts[-1] * k / ks[-1]  # past the last point: proportional
 
 
+@dataclass(frozen=True)
+class _Decision:
+    """One round's choice, made before the backbone runs (so the batched engine can batch it)."""
+
+    context: int  # len(tokens) it was made for
+    depth: int  # backbone depth to draft; 0: rest
+    look: Draft | None  # hybrid: the lookup chain
+    draft_s: float  # the mean drafter time the choice assumed
+    decide_s: float  # time spent deciding
+
+
 class AdaptiveDrafter:
     """Wraps a DFlash drafter; picks the chain depth (or, with tree=True, the DDTree budget) per round.
     With `lookup` (tree only), the prompt-lookup chain is merged in as in the hybrid drafter."""
@@ -219,6 +231,8 @@ class AdaptiveDrafter:
         self._round_tokens = 0
         self.rests = 0  # rounds that skipped the drafter
         self.probes = [ProbeSchedule(), ProbeSchedule()]  # per regime (chain and tree: only regime 0)
+        self._decision: _Decision | None = None  # made by block_request, used by the next propose
+        self._load: tuple[int, float] = (0, 0.0)  # other requests' (rows, tokens) in the next forward
 
     def fork(self) -> AdaptiveDrafter:
         """The same backbone weights, cost model and clock, fresh acceptance statistics (Beta(1,1) priors)."""
@@ -238,37 +252,72 @@ class AdaptiveDrafter:
         """E(d) for d = 0..B−1: expected tokens emitted by a round with a depth-d chain."""
         return expected_tokens(self.accepted_at / self.reached)  # α: [B−1]
 
+    def set_batch_load(self, rows: int, tokens: float) -> None:
+        """The other requests of this request's next forward (the batched engine, from its last step): their rows
+        and the tokens they emit. Sizes are then chosen for the whole forward's tokens per second (module doc)."""
+        self._load = (rows, tokens)
+
+    def _rate(self, tokens: float, rows: int, draft_s: float) -> float:
+        """Tokens per second of the forward this round joins, if the round emits `tokens` from `rows` verify rows:
+        (others' tokens + tokens) / (draft + cost(others' rows + rows)); alone, tokens / (draft + cost(rows))."""
+        other_rows, other_tokens = self._load
+        return (other_tokens + tokens) / (draft_s + self.cost(other_rows + rows))
+
+    def block_request(self, tokens: list[int], max_depth: int) -> tuple[DFlashDrafter, int] | None:
+        """Decide this round now (the decision is kept for propose) and return the backbone forward it needs,
+        or None when it rests (see DFlashDrafter.block_request)."""
+        self._decision = self._decide(tokens, max_depth)
+        return (self.dflash, self._decision.depth) if self._decision.depth else None
+
     def propose(self, tokens: list[int], max_depth: int) -> Draft:
         """Draft the full block once, then keep the most profitable prefix (chain) or node count (tree)."""
+        decision = self._decision
+        self._decision = None
+        if decision is None or decision.context != len(tokens):
+            decision = self._decide(tokens, max_depth)
+        return self._build(decision, tokens)
+
+    def _decide(self, tokens: list[int], max_depth: int) -> _Decision:
+        """Rest or draft, and how deep (every side effect of deciding happens here, once per round)."""
         t0 = self._timer()
         depth = min(self.block_size, max_depth)
         draft_s = self.draft_s / self.drafted if self.drafted else 0.0
+        n = len(tokens)
         if not self.tree:
             d_best, pays = self._best_depth(depth, draft_s)
             if self._rests_now(pays):
                 self.last_choice = self._depth = 0  # one plain step; the backbone's context keeps queueing
-                return Draft.empty()
+                return _Decision(n, 0, None, draft_s, self._timer() - t0)
             explore = pays and self.rounds % EXPLORE_EVERY == 0
-            chain_depth = depth if explore else d_best
-            draft = self._chain(self.dflash.draft_logits(tokens[-1], len(tokens) - 1, chain_depth), chain_depth)
-        elif self.lookup is None:
+            return _Decision(n, depth if explore else d_best, None, draft_s, self._timer() - t0)
+        if self.lookup is None:
             if self._rests_now(self._model_pays):
                 self._predicted, self.last_choice = 0.0, 0  # one plain step
-                return Draft.empty()
-            draft = self._tree(self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth), draft_s)
+                return _Decision(n, 0, None, draft_s, self._timer() - t0)
+            return _Decision(n, depth, None, draft_s, self._timer() - t0)
+        now = self.clock()
+        if self._round is not None:  # the previous round ends where this one starts
+            self._close_round(now)
+        look = self.lookup.propose(tokens, depth)
+        regime = int(look.num_nodes > 0)
+        rests = self._rests_now(self.hybrid_model_pays(regime), regime)
+        self._round = (regime, int(not rests), now)
+        return _Decision(n, 0 if rests else depth, look, draft_s, self._timer() - t0)
+
+    def _build(self, decision: _Decision, tokens: list[int]) -> Draft:
+        """The draft a decision asks for (the backbone forward may have run already, batched: draft_blocks)."""
+        if not decision.depth:
+            return self._rest_hybrid(decision.look) if decision.look is not None else Draft.empty()
+        t0 = self._timer()
+        depth, draft_s = decision.depth, decision.draft_s
+        logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
+        if not self.tree:
+            draft = self._chain(logits, depth)
+        elif decision.look is None:
+            draft = self._tree(logits, draft_s)
         else:
-            now = self.clock()
-            if self._round is not None:  # the previous round ends where this one starts
-                self._close_round(now)
-            look = self.lookup.propose(tokens, depth)
-            regime = int(look.num_nodes > 0)
-            rests = self._rests_now(self.hybrid_model_pays(regime), regime)
-            self._round = (regime, int(not rests), now)
-            if rests:
-                return self._rest_hybrid(look)
-            logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
-            draft = self._hybrid(look, logits, draft_s)
-        self.draft_s += self._timer() - t0
+            draft = self._hybrid(decision.look, logits, draft_s)
+        self.draft_s += decision.decide_s + self._timer() - t0 + self.dflash.take_borrowed_s()
         self.drafted += 1
         self.rounds += 1
         return draft
@@ -305,7 +354,7 @@ class AdaptiveDrafter:
     def _rest_hybrid(self, look: Draft) -> Draft:
         """A round without the drafter: the lookup chain alone, cut to its most profitable length."""
         expected = expected_tokens((self.look_accepted / self.look_reached)[: look.num_nodes])  # E(l), l = 0..L
-        rate = [float(expected[n]) / self.cost(n + 1) for n in range(look.num_nodes + 1)]
+        rate = [self._rate(float(expected[n]), n + 1, 0.0) for n in range(look.num_nodes + 1)]
         keep = max(range(len(rate)), key=rate.__getitem__)
         self._predicted = 0.0
         self._look_len = self.last_choice = keep
@@ -314,9 +363,9 @@ class AdaptiveDrafter:
     def _best_depth(self, depth: int, draft_s: float) -> tuple[int, bool]:
         """The chain depth d ≥ 1 with the highest expected tokens per second, and whether it beats a plain step."""
         e = self.expected_chain()
-        rate = {d: float(e[d]) / (draft_s + self.cost(d + 1)) for d in range(1, depth + 1)}
+        rate = {d: self._rate(float(e[d]), d + 1, draft_s) for d in range(1, depth + 1)}
         d_best = max(rate, key=rate.__getitem__, default=0)
-        return d_best, d_best > 0 and rate[d_best] >= 1.0 / self.cost(1)
+        return d_best, d_best > 0 and rate[d_best] >= self._rate(1.0, 1, 0.0)
 
     def _chain(self, logits: torch.Tensor, depth: int) -> Draft:
         """The first `depth` tokens of the drafted block as a chain."""
@@ -328,9 +377,9 @@ class AdaptiveDrafter:
         ids, parents = build_tree(logp, self.max_budget)
         path_p, _ = self._path_probs(logp, ids, parents)  # [N] in pop order
         expected = 1 + (self.rho_num / self.rho_den) * path_p.cumsum(0)  # E(N) for N = 1..max
-        rate = [float(expected[n - 1]) / (draft_s + self.cost(n + 1)) for n in range(1, len(ids) + 1)]
+        rate = [self._rate(float(expected[n - 1]), n + 1, draft_s) for n in range(1, len(ids) + 1)]
         n_best = 1 + max(range(len(rate)), key=rate.__getitem__) if rate else 0
-        self._model_pays = bool(rate) and rate[n_best - 1] >= 1.0 / self.cost(1)
+        self._model_pays = bool(rate) and rate[n_best - 1] >= self._rate(1.0, 1, 0.0)
         self.last_choice = n_best
         self._predicted = float(path_p[:n_best].sum())
         return Draft.tree(self.dflash.ids_to_target(ids[:n_best]), parents[:n_best])
@@ -351,7 +400,7 @@ class AdaptiveDrafter:
         rho = self.rho_num / self.rho_den
         gain = float(beta.sum()) + rho * torch.cat([torch.zeros(1, device="cpu"), (path_p * new).cumsum(0)])  # [N+1]
         size = length + torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), new.long().cumsum(0)])  # [N+1]
-        rate = [float(1 + gain[n]) / (draft_s + self.cost(int(size[n]) + 1)) for n in range(len(ids) + 1)]
+        rate = [self._rate(float(1 + gain[n]), int(size[n]) + 1, draft_s) for n in range(len(ids) + 1)]
         n_best = max(range(len(rate)), key=rate.__getitem__)
         self.last_choice = int(size[n_best])
         self._predicted = float((path_p * new)[:n_best].sum())

@@ -119,6 +119,10 @@ class DDTreeDrafter:
         """Same backbone weights and budget, its own DFlash state."""
         return DDTreeDrafter(self.dflash.fork(), self.budget, self.top_k)
 
+    def block_request(self, tokens: list[int], max_depth: int):
+        """The backbone forward the next propose() runs (see DFlashDrafter.block_request)."""
+        return self.dflash.block_request(tokens, max_depth)
+
     def propose(self, tokens: list[int], max_depth: int) -> Draft:
         """The best `budget` prefixes of the block's distributions, as one tree."""
         depth = min(self.block_size, max_depth)

@@ -15,7 +15,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from byblock.drafters.dflash_model import DFlashDraftModel
+from byblock.drafters.dflash_model import DFlashDraftModel, PackedBlock, forward_packed
 from byblock.errors import ByblockError
 from byblock.kernels.packed_gemm import PackedLinear
 from byblock.models.adapter import TargetModel
@@ -90,6 +90,9 @@ class DFlashDrafter:
         self._params = SamplingParams()
         self._generator: torch.Generator | None = None
         self._vocab_host: list[int] | None = None  # draft_vocab as a list, made on first host-side use
+        # (anchor position, logits [D, Vd], states [D, H], its share of the batched forward's seconds)
+        self._prefetched: tuple[int, torch.Tensor, torch.Tensor, float] | None = None
+        self._borrowed_s = 0.0  # the share of the last prefetched block, not yet counted by a caller
 
     def start(
         self,
@@ -104,18 +107,53 @@ class DFlashDrafter:
         self._cache = [[] for _ in self.model.layers]
         self._pending = target_hidden[0]
         self._pending_start = 0
+        self._prefetched = None
         self._params, self._generator = params, generator
 
     def fork(self) -> DFlashDrafter:
         """Shares the network, embedding and head; fresh context cache (set by start)."""
         clone = copy.copy(self)
         clone._cache, clone._pending, clone._pending_start = [], None, 0
-        clone._params, clone._generator = SamplingParams(), None
+        clone._params, clone._generator, clone._prefetched, clone._borrowed_s = SamplingParams(), None, None, 0.0
         return clone
+
+    def block_request(self, tokens: list[int], max_depth: int) -> tuple[DFlashDrafter, int] | None:
+        """The backbone forward the next propose() runs: (drafter, depth) — for the batched engine's
+        draft_blocks, which runs many requests' blocks in one forward."""
+        return self, min(self.block_size, max_depth)
 
     def draft_logits(self, anchor: int, anchor_pos: int, depth: int, return_hidden: bool = False):
         """Run the drafter once; logits [depth, V_draft] for positions anchor_pos+1 .. anchor_pos+depth
-        (and the draft states [depth, H] they came from, with return_hidden)."""
+        (and the draft states [depth, H] they came from, with return_hidden). A block the batched engine
+        already drafted for this anchor (draft_blocks) is returned instead of running again."""
+        pre = self._prefetched
+        if pre is not None and pre[0] == anchor_pos and depth <= pre[1].shape[0]:
+            self._prefetched = None
+            self._borrowed_s = pre[3]
+            logits, states = pre[1][:depth], pre[2][:depth]
+            return (logits, states) if return_hidden else logits
+        self._prefetched = None
+        block = self.block_input(anchor, anchor_pos)
+        with torch.inference_mode():
+            h = self.model(
+                block.block_embeds[None],
+                block.target_hidden[None],
+                block.block_positions[None],
+                block.ctx_positions[None],
+                cache=self._cache,
+            )  # [1, B, H]
+            states = h[0, 1 : 1 + depth]  # [depth, H]
+            logits = self.head_logits(states)
+        self._consumed(anchor_pos)
+        return (logits, states) if return_hidden else logits
+
+    def take_borrowed_s(self) -> float:
+        """Seconds of a batched forward the last draft_logits call used without timing them (then zero)."""
+        borrowed, self._borrowed_s = self._borrowed_s, 0.0
+        return borrowed
+
+    def block_input(self, anchor: int, anchor_pos: int) -> PackedBlock:
+        """The drafter forward's inputs for the block anchored at `anchor_pos` (its new context included)."""
         assert self._pending is not None
         c = self._pending.shape[0]
         if self._pending_start + c != anchor_pos:
@@ -123,21 +161,27 @@ class DFlashDrafter:
         dev = self.device
         ids = torch.full((self.block,), self.mask_token_id, dtype=torch.long, device=dev)
         ids[0] = anchor
-        embeds = F.embedding(ids, self.embed_weight)[None]  # [1, B, H]
-        block_pos = torch.arange(anchor_pos, anchor_pos + self.block, device=dev)[None]  # [1, B]
-        ctx_pos = torch.arange(self._pending_start, anchor_pos, device=dev)[None]  # [1, C]
+        embeds = F.embedding(ids, self.embed_weight)  # [B, H]
+        block_pos = torch.arange(anchor_pos, anchor_pos + self.block, device=dev)  # [B]
+        ctx_pos = torch.arange(self._pending_start, anchor_pos, device=dev)  # [C]
+        return PackedBlock(embeds, self._pending, block_pos, ctx_pos, self._cache)
+
+    def head_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """Draft logits [n, Vd] from draft states [n, H] (the target's head, restricted; soft-capped if it is)."""
         with torch.inference_mode():
-            h = self.model(embeds, self._pending[None], block_pos, ctx_pos, cache=self._cache)  # [1, B, H]
-            rows = h[0, 1 : 1 + depth]  # [depth, H]
             if self.packed_head is not None:
-                logits = self.packed_head(rows.float())  # [depth, Vd]
+                logits = self.packed_head(states.float())
             else:
-                logits = rows.to(self.head_t.dtype) @ self.head_t  # [depth, Vd]
-        self._pending = self._pending[:0]
-        self._pending_start = anchor_pos
+                logits = states.to(self.head_t.dtype) @ self.head_t
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return (logits, h[0, 1 : 1 + depth]) if return_hidden else logits
+        return logits
+
+    def _consumed(self, anchor_pos: int) -> None:
+        """The pending context went into the drafter cache with the block at `anchor_pos`."""
+        assert self._pending is not None
+        self._pending = self._pending[:0]
+        self._pending_start = anchor_pos
 
     def to_target(
         self, ids: torch.Tensor, q_small: torch.Tensor | None = None
@@ -177,3 +221,35 @@ class DFlashDrafter:
         """Queue the features of the root and the accepted tokens as new context."""
         assert target_hidden is not None and self._pending is not None
         self._pending = torch.cat([self._pending, target_hidden[0]])
+
+
+def draft_blocks(requests: list[tuple[DFlashDrafter, int, int, int]]) -> None:
+    """Draft several requests' blocks at once: (drafter fork, anchor, anchor position, depth) each.
+
+    Forks of one DFlash network share one forward (dflash_model.forward_packed) and one pass of the head over
+    every request's rows; each fork's next draft_logits call for that anchor then returns its share. With the
+    packed fp32 kernels (row-invariant) the logits are bitwise those of each fork's own forward."""
+    from byblock.models.devices import device_clock
+
+    groups: dict[int, list[tuple[DFlashDrafter, int, int, int]]] = {}
+    for req in requests:
+        groups.setdefault(id(req[0].model), []).append(req)
+    for group in groups.values():
+        clock = device_clock(group[0][0].device)
+        t0 = clock()
+        blocks = [d.block_input(anchor, pos) for d, anchor, pos, _ in group]
+        with torch.inference_mode():
+            states = forward_packed(group[0][0].model, blocks)  # [ΣB, H]
+        rows, at = [], 0
+        for d, _, _, depth in group:
+            rows.append(states[at + 1 : at + 1 + depth])
+            at += d.block
+        first = group[0][0]
+        if first.packed_head is not None:  # row-invariant: one head pass for every request
+            logits = first.head_logits(torch.cat(rows)).split([r.shape[0] for r in rows])
+        else:  # a library matmul is not row-invariant: each request's rows alone, as its own forward does
+            logits = [d.head_logits(r) for (d, *_), r in zip(group, rows, strict=True)]
+        share = (clock() - t0) / len(group)
+        for (d, _, pos, _), lg, st in zip(group, logits, rows, strict=True):
+            d._consumed(pos)
+            d._prefetched = (pos, lg, st, share)

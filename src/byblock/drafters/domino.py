@@ -145,6 +145,10 @@ class DominoDrafter:
         """Same backbone weights and head, its own DFlash state."""
         return DominoDrafter(self.dflash.fork(), self.head, self.tree_budget)
 
+    def block_request(self, tokens: list[int], max_depth: int):
+        """The backbone forward the next propose() runs (see DFlashDrafter.block_request)."""
+        return self.dflash.block_request(tokens, max_depth)
+
     def _embed(self, draft_id: int) -> torch.Tensor:
         vocab = self.dflash.draft_vocab
         tid = int(vocab[draft_id]) if vocab is not None else draft_id

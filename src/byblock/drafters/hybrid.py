@@ -61,6 +61,10 @@ class HybridDrafter:
         """The (stateless) lookup shared, the model drafter forked."""
         return HybridDrafter(self.ngram, self.ddtree.fork(), self.budget)
 
+    def block_request(self, tokens: list[int], max_depth: int):
+        """The backbone forward the next propose() runs (see DFlashDrafter.block_request)."""
+        return self.ddtree.block_request(tokens, max_depth)
+
     def propose(self, tokens: list[int], max_depth: int) -> Draft:
         """Lookup continuation first, then the model's best-first nodes."""
         lookup = self.ngram.propose(tokens, min(max_depth, self.ddtree.block_size))

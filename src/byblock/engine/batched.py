@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from byblock.drafters.base import Drafter
+from byblock.drafters.dflash import draft_blocks
 from byblock.engine.api import check_prompt_fits
 from byblock.engine.core import EngineRequest, RequestOutput
 from byblock.engine.scheduler import BatchConfig, Scheduler
@@ -129,10 +130,14 @@ class BatchedEngineCore:
         sched = self.scheduler
         slack = {rid: round_rows(seq.drafter) for rid, seq in self._seqs.items()}
         sched.preempt_for_kv(slack)
+        live = [s for s in sched.running if s.cache is not None]
+        shares = self._draft_blocks(live, outputs)
         rounds: list[tuple[Sequence, Round]] = []
-        for seq in [s for s in sched.running if s.cache is not None]:
+        for seq in live:
+            if seq.request_id not in self._seqs:  # failed while drafting
+                continue
             try:
-                rounds.append((seq, seq.plan(self.lazy_head, self.clock)))
+                rounds.append((seq, seq.plan(self.lazy_head, self.clock, shares.get(seq.request_id, 0.0))))
             except Exception as e:  # a drafter's failure fails its request, never the batch
                 outputs.append(self._fail(seq, e))
         rows = sum(len(r.segment.input_ids) for _, r in rounds)
@@ -169,6 +174,33 @@ class BatchedEngineCore:
                 continue
             outputs.extend(self._emit(seq, events))
         return outputs
+
+    def _draft_blocks(self, live: list[Sequence], outputs: list[RequestOutput]) -> dict[str, float]:
+        """Every DFlash-backed drafter's block of this step in one drafter forward (drafters/dflash.py
+        draft_blocks); adaptive drafters first learn the load the rest of the batch puts on the forward.
+        Returns each request's share of the forward's seconds."""
+        rows = sum(s.last_rows for s in live)
+        emitted = sum(s.last_emitted for s in live)
+        requests, ids = [], []
+        for seq in live:
+            try:
+                if (set_load := getattr(seq.drafter, "set_batch_load", None)) is not None:
+                    set_load(rows - seq.last_rows, emitted - seq.last_emitted)
+                if (req := seq.block_request()) is not None:
+                    requests.append(req)
+                    ids.append(seq.request_id)
+            except Exception as e:
+                outputs.append(self._fail(seq, e))
+        if not requests:
+            return {}
+        t0 = self.clock()
+        try:
+            draft_blocks(requests)
+        except Exception as e:  # a drafter bug fails the requests it drafted for, never the engine thread
+            outputs.extend(self._fail(self._seqs[rid], e) for rid in ids)
+            return {}
+        share = (self.clock() - t0) / len(requests)
+        return dict.fromkeys(ids, share)
 
     def _emit(self, seq: Sequence, events) -> list[RequestOutput]:
         """The step's text for one request, and its result when it is done."""

@@ -81,4 +81,3 @@ class OutputProcessor:
             block_size=block_size,
             stats=stats,
         )
-

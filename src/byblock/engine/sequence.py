@@ -74,6 +74,7 @@ class Sequence:
         self.stats = SpecStats()
         self.output = OutputProcessor(model, prompt_ids, params, arrival)
         self.preemptions = 0
+        self.last_rows, self.last_emitted = 1, 1  # of its last decode round (the batch load other requests see)
 
     @property
     def generated(self) -> int:
@@ -91,8 +92,24 @@ class Sequence:
         self.phase = Phase.WAITING
         self.preemptions += 1
 
-    def plan(self, lazy_head: bool, clock) -> Round:
-        """This step's segment: the prompt (or, after a preemption, the committed tokens) or a verify block."""
+    def depth_budget(self) -> int:
+        """The deepest draft this round may verify: never past what can still be emitted (the round adds one
+        token of its own) or the context."""
+        return min(self.params.max_new_tokens - self.generated, self.model.max_context - len(self.tokens)) - 1
+
+    def block_request(self):
+        """The DFlash backbone forward this round's propose() will run, as (drafter fork, anchor, anchor
+        position, depth), for a batched drafter forward (drafters/dflash.py draft_blocks); None if none."""
+        ask = getattr(self.drafter, "block_request", None)
+        budget = self.depth_budget()
+        if ask is None or budget <= 0:
+            return None
+        req = ask(self.tokens, budget)
+        return None if req is None else (req[0], self.tokens[-1], len(self.tokens) - 1, req[1])
+
+    def plan(self, lazy_head: bool, clock, drafted_s: float = 0.0) -> Round:
+        """This step's segment: the prompt (or, after a preemption, the committed tokens) or a verify block.
+        drafted_s: this request's share of a batched drafter forward that already ran for this round."""
         if self.phase is Phase.WAITING:
             self.cache = self.model.new_cache()
             ids = self.tokens[:-1] if self.tokens else self.prompt_ids  # tokens: a preempted request's history
@@ -101,11 +118,10 @@ class Sequence:
         root = self.tokens[-1]
         if self.drafter is None:
             return Round(SegmentInput(self.cache, [root]), rows=1, past=self.cache.length, draft=None, prefill=False)
-        # Never draft past what can still be emitted (the round adds one token of its own) or the context.
-        budget = min(self.params.max_new_tokens - self.generated, self.model.max_context - len(self.tokens)) - 1
+        budget = self.depth_budget()
         t0 = clock()
         draft = self.drafter.propose(self.tokens, budget) if budget > 0 else Draft.empty()
-        draft_s = clock() - t0
+        draft_s = clock() - t0 + drafted_s
         past = self.cache.length
         positions = tree_mask = None
         if not draft.is_chain:
@@ -157,4 +173,5 @@ class Sequence:
         depth = int(draft.depths().max()) if draft.num_nodes else 0
         self.stats.record(depth, draft.num_nodes, verdict.num_accepted, rnd.draft_s, verify_s)
         self.tokens.extend(verdict.tokens)
+        self.last_rows, self.last_emitted = draft.num_nodes + 1, len(verdict.tokens)
         return [TokenEvent(t, from_draft=j < verdict.num_accepted) for j, t in enumerate(verdict.tokens)]
