@@ -22,7 +22,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="a drafter to load (repeatable; the first is the default, 'none' is always loaded): "
-        "ngram | model:ID | dflash|ddtree|domino|dominotree|hybrid[:PATH]",
+        "ngram | model:ID | [adaptive-]dflash|ddtree|hybrid[:PATH] | domino|dominotree[:PATH]",
     )
     parser.add_argument("--block-size", type=int, default=None, help="tokens per verify forward (see generate)")
     parser.add_argument(

@@ -50,14 +50,17 @@ class DrafterSpec:
 
     @staticmethod
     def parse(text: str, **knobs: int | bool | None) -> DrafterSpec:
-        """'none' | 'ngram' | 'model:ID' | 'dflash|ddtree|domino|dominotree|hybrid[:PATH]' -> DrafterSpec.
+        """'none' | 'ngram' | 'model:ID' | '[adaptive-]dflash|ddtree|hybrid[:PATH]' | 'domino|dominotree[:PATH]'
+        -> DrafterSpec ('adaptive-X' is X with adaptive=True: the form a server's --drafter list takes).
 
         Anything else is a one-line error."""
         name, _, arg = text.partition(":")
+        if name.startswith("adaptive-"):
+            name, knobs = name.removeprefix("adaptive-"), {**knobs, "adaptive": True}
         try:
             kind = DrafterKind(name)
         except ValueError:
-            choices = "none, ngram, model:ID, dflash|ddtree|domino|dominotree|hybrid[:PATH]"
+            choices = "none, ngram, model:ID, [adaptive-]dflash|ddtree|hybrid[:PATH], domino|dominotree[:PATH]"
             raise ByblockError(f"unknown drafter '{text}' (choose from {choices})") from None
         if kind is DrafterKind.MODEL and not arg:
             raise ByblockError("drafter 'model' needs a model: --drafter model:ID")

@@ -102,6 +102,30 @@ def measure_verify_cost(target: TargetModel, sizes=COST_SIZES, context: int = 12
     return out
 
 
+def measure_segment_cost(target: TargetModel, segments: int = 8, context: int = 128, repeats: int = 3) -> float:
+    """Seconds one more request adds to a packed forward beyond its rows (its own attention, cache appends):
+    `segments` requests × 1 row against 1 request × `segments` rows, per extra request (median of a few)."""
+    from byblock.models.adapter import SegmentInput
+
+    g = torch.Generator(device=target.device).manual_seed(0)
+    ids = torch.randint(10, max(11, target.vocab_size - 1), (segments, context), generator=g, device=target.device)
+    caches = [KVCache(device=target.device) for _ in range(segments)]
+    for row, cache in zip(ids, caches, strict=True):
+        target.forward(row[None], cache, logits_to_keep=1)
+    clock = device_clock(target.device)
+    times: dict[int, list[float]] = {1: [], segments: []}
+    for _ in range(repeats + 1):
+        for n in times:
+            per = segments // n
+            t = clock()
+            target.forward_packed([SegmentInput(c, [11] * per) for c in caches[:n]], [0])
+            times[n].append(clock() - t)
+            for c in caches[:n]:
+                c.crop(context)
+    many, one = (statistics.median(times[n][1:]) for n in (segments, 1))
+    return max(0.0, (many - one) / (segments - 1))
+
+
 class RoundRate:
     """Forgetting sums of tokens emitted and wall seconds spent by one arm's rounds (ARM_FORGET per round)."""
 
@@ -232,7 +256,7 @@ class AdaptiveDrafter:
         self.rests = 0  # rounds that skipped the drafter
         self.probes = [ProbeSchedule(), ProbeSchedule()]  # per regime (chain and tree: only regime 0)
         self._decision: _Decision | None = None  # made by block_request, used by the next propose
-        self._load: tuple[int, float] = (0, 0.0)  # other requests' (rows, tokens) in the next forward
+        self._load: tuple[int, float, float] = (0, 0.0, 0.0)  # other requests' (rows, tokens, seconds)
 
     def fork(self) -> AdaptiveDrafter:
         """The same backbone weights, cost model and clock, fresh acceptance statistics (Beta(1,1) priors)."""
@@ -252,16 +276,18 @@ class AdaptiveDrafter:
         """E(d) for d = 0..B−1: expected tokens emitted by a round with a depth-d chain."""
         return expected_tokens(self.accepted_at / self.reached)  # α: [B−1]
 
-    def set_batch_load(self, rows: int, tokens: float) -> None:
-        """The other requests of this request's next forward (the batched engine, from its last step): their rows
-        and the tokens they emit. Sizes are then chosen for the whole forward's tokens per second (module doc)."""
-        self._load = (rows, tokens)
+    def set_batch_load(self, rows: int, tokens: float, seconds: float) -> None:
+        """The other requests of this request's next forward (the batched engine, from its last step): their rows,
+        the tokens they emit and the seconds they add beyond their rows' cost (per-request attention, drafting).
+        Sizes are then chosen for the whole forward's tokens per second (module doc)."""
+        self._load = (rows, tokens, seconds)
 
     def _rate(self, tokens: float, rows: int, draft_s: float) -> float:
         """Tokens per second of the forward this round joins, if the round emits `tokens` from `rows` verify rows:
-        (others' tokens + tokens) / (draft + cost(others' rows + rows)); alone, tokens / (draft + cost(rows))."""
-        other_rows, other_tokens = self._load
-        return (other_tokens + tokens) / (draft_s + self.cost(other_rows + rows))
+        (others' tokens + tokens) / (others' seconds + draft + cost(others' rows + rows)); alone that is
+        tokens / (draft + cost(rows))."""
+        other_rows, other_tokens, other_s = self._load
+        return (other_tokens + tokens) / (other_s + draft_s + self.cost(other_rows + rows))
 
     def block_request(self, tokens: list[int], max_depth: int) -> tuple[DFlashDrafter, int] | None:
         """Decide this round now (the decision is kept for propose) and return the backbone forward it needs,

@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from byblock.drafters.adaptive import measure_segment_cost
 from byblock.drafters.base import Drafter
 from byblock.drafters.dflash import draft_blocks
 from byblock.engine.api import check_prompt_fits
@@ -71,6 +72,10 @@ class BatchedEngineCore:
         # CPU: the LM head runs on the rows a verification reads (verify/rows.py); on a GPU every row costs one.
         self.lazy_head = model.device.type == "cpu" and model.defers_logits()
         self.last_step = StepStats()
+        # What one more request costs a forward beyond its rows, for adaptive drafters' batch-aware sizing.
+        adaptive = any(hasattr(d, "set_batch_load") for d in self.drafters.values())
+        self.segment_s = measure_segment_cost(model) if adaptive else 0.0
+        self._shares: dict[str, float] = {}  # request id -> its share of the last batched drafter forward
 
     # -- the EngineCore contract -------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -181,16 +186,20 @@ class BatchedEngineCore:
         Returns each request's share of the forward's seconds."""
         rows = sum(s.last_rows for s in live)
         emitted = sum(s.last_emitted for s in live)
+        drafting = sum(self._shares.values())
         requests, ids = [], []
         for seq in live:
             try:
                 if (set_load := getattr(seq.drafter, "set_batch_load", None)) is not None:
-                    set_load(rows - seq.last_rows, emitted - seq.last_emitted)
+                    rid = seq.request_id
+                    others_s = (len(live) - 1) * self.segment_s + drafting - self._shares.get(rid, 0.0)
+                    set_load(rows - seq.last_rows, emitted - seq.last_emitted, others_s)
                 if (req := seq.block_request()) is not None:
                     requests.append(req)
                     ids.append(seq.request_id)
             except Exception as e:
                 outputs.append(self._fail(seq, e))
+        self._shares = {}
         if not requests:
             return {}
         t0 = self.clock()
@@ -200,7 +209,8 @@ class BatchedEngineCore:
             outputs.extend(self._fail(self._seqs[rid], e) for rid in ids)
             return {}
         share = (self.clock() - t0) / len(requests)
-        return dict.fromkeys(ids, share)
+        self._shares = dict.fromkeys(ids, share)
+        return self._shares
 
     def _emit(self, seq: Sequence, events) -> list[RequestOutput]:
         """The step's text for one request, and its result when it is done."""
