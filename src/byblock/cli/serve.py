@@ -80,8 +80,6 @@ def run(args: argparse.Namespace) -> int:
 
     require("serve", "byblock serve")
     resolve_placement(args)
-    import uvicorn
-
     from byblock.server.app import ServerConfig, create_app
 
     if args.max_tokens < 1 or args.max_tokens_limit < args.max_tokens:
@@ -105,14 +103,41 @@ def run(args: argparse.Namespace) -> int:
         max_tokens_limit=args.max_tokens_limit,
         max_pending=running + args.max_queue,
     )
-    app = create_app(model, core, config)
+    app = create_app(model, core, config, engine_thread=False)
     sys.stderr.write(
         f"byblock serve: {config.model_name} with drafters {', '.join(core.drafter_names)} "
         f"(default {default}), engine {type(core).__name__}, on http://{args.host}:{args.port}/  "
         "(playground at /, metrics at /metrics)\n"
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    _serve(app, args.host, args.port)
     return 0
+
+
+def _serve(app, host: str, port: int) -> None:
+    """HTTP on a thread, the engine loop on this (main) thread, until Ctrl-C or the HTTP server stops.
+
+    The engine runs where the model was loaded: one OpenMP worker pool, which spins between parallel regions
+    (server/worker.py AsyncEngine says why a second pool slows every forward)."""
+    import signal
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:  # also when the shell started us with SIGINT ignored (`serve &`)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    web = threading.Thread(target=server.run, name="byblock-http", daemon=True)
+    web.start()
+    try:
+        app.state.engine.run(lambda: stop.is_set() or server.should_exit or not web.is_alive())
+    finally:
+        server.should_exit = True
+        web.join(timeout=10)
 
 
 def _dllm_core(args: argparse.Namespace):

@@ -257,6 +257,7 @@ class AdaptiveDrafter:
         self.probes = [ProbeSchedule(), ProbeSchedule()]  # per regime (chain and tree: only regime 0)
         self._decision: _Decision | None = None  # made by block_request, used by the next propose
         self._load: tuple[int, float, float] = (0, 0.0, 0.0)  # other requests' (rows, tokens, seconds)
+        self._model_paid = [True, True]  # hybrid, batched: per regime, whether the last drafted tree used the model
 
     def fork(self) -> AdaptiveDrafter:
         """The same backbone weights, cost model and clock, fresh acceptance statistics (Beta(1,1) priors)."""
@@ -370,6 +371,8 @@ class AdaptiveDrafter:
     def hybrid_model_pays(self, regime: int) -> bool:
         """Hybrid: whether drafting rounds have emitted more tokens per second than resting ones (module doc);
         regime 0: the lookup proposed nothing (resting is a plain step), 1: it proposed a chain."""
+        if self._load[0] > 0:  # batched: a round's wall time is the whole batch's; decide by the batch-aware rate
+            return self._model_paid[regime]
         rested, drafted = self.arms[regime]
         if drafted.weight < ARM_EVIDENCE:
             return True  # measure drafting first: it is the default
@@ -411,7 +414,11 @@ class AdaptiveDrafter:
         return Draft.tree(self.dflash.ids_to_target(ids[:n_best]), parents[:n_best])
 
     def _hybrid(self, look: Draft, logits: torch.Tensor, draft_s: float) -> Draft:
-        """Lookup chain (always) + the profitable number of DDTree nodes, merged as a trie."""
+        """Lookup chain (always; in a batch cut to its profitable length, as a verify row is not free there)
+        + the profitable number of DDTree nodes, merged as a trie."""
+        regime = int(look.num_nodes > 0)
+        if self._load[0] > 0:
+            look = self._rest_hybrid(look)
         logp = tree_logp(logits, self._params).cpu()  # trees are built on the host (one copy per round)
         ids, parents = build_tree(logp, self.max_budget)
         path_p, depth = self._path_probs(logp, ids, parents)  # [N], depths
@@ -428,6 +435,7 @@ class AdaptiveDrafter:
         size = length + torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), new.long().cumsum(0)])  # [N+1]
         rate = [self._rate(float(1 + gain[n]), int(size[n]) + 1, draft_s) for n in range(len(ids) + 1)]
         n_best = max(range(len(rate)), key=rate.__getitem__)
+        self._model_paid[regime] = n_best > 0  # the model's nodes added tokens per second (batched rest rule)
         self.last_choice = int(size[n_best])
         self._predicted = float((path_p * new)[:n_best].sum())
         self._look_len = length

@@ -78,9 +78,10 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-def create_app(model: TargetModel, core: EngineCore, config: ServerConfig) -> FastAPI:
-    """The server app. `core` owns the model from its engine thread; handlers only tokenize."""
-    engine = AsyncEngine(core)
+def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engine_thread: bool = True) -> FastAPI:
+    """The server app. `core` owns the model from its engine loop; handlers only tokenize. engine_thread=False:
+    the caller runs the loop (`app.state.engine.run`), as `byblock serve` does on its main thread."""
+    engine = AsyncEngine(core, own_thread=engine_thread)
     metrics = ServerMetrics(queue_depth=core.num_waiting, running=core.num_running)
     if isinstance(core, BatchedEngineCore):
         metrics.watch_batches(core)
