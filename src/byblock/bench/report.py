@@ -72,8 +72,8 @@ def _peer_lines(report: dict) -> list[str]:
     lines = []
     if report.get("batch", 1) > 1:
         lines.append(
-            f"Batch {report['batch']}: other engines get each batch of prompts as one call (their own batching); "
-            "byblock's methods answer it one request after another; tok/s = a batch's tokens ÷ its wall time."
+            f"Batch {report['batch']}: byblock's methods decode each batch of prompts together on the batched engine, "
+            "other engines get it as one call (their own batching); tok/s = a batch's tokens ÷ its wall time."
         )
     for name, engine in report.get("peers", {}).items():
         plain = name.partition("-dflash")[0]
