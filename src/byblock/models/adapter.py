@@ -311,6 +311,8 @@ class TargetModel:
         Plain caches only: StreamingLLM, H2O and SnapKV caches decode one sequence at a time."""
         if getattr(self.text_config, "use_bidirectional_attention", False):
             raise ValueError("packed forwards support causal models only")
+        if len(segments) == 1:  # the same numbers by the plain path, without the per-request split's overhead
+            return self._forward_one(segments[0], logits_rows, hidden_layers, keep_final)
         dev = self.device
         parts, plan, pos, start = [], [], [], 0
         invariant = self.row_invariant
@@ -354,6 +356,25 @@ class TargetModel:
             hidden = torch.cat([out.hidden_states[i + 1][0] for i in hidden_layers], dim=-1)
         final = out.hidden_states[-1][0] if keep_final else None
         return PackedOutput(out.logits[0], final, hidden, tuple(s.start for s in plan))
+
+    def _forward_one(
+        self, seg: SegmentInput, logits_rows: list[int], hidden_layers: tuple[int, ...], keep_final: bool
+    ) -> PackedOutput:
+        """forward_packed for one sequence: its own `forward` (bitwise the same rows, tests/test_batch_exact.py)."""
+        ids = torch.tensor([seg.input_ids], device=self.device)
+        positions = None if seg.positions is None else seg.positions[None]
+        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        lazy = self.defers_logits()
+        out = self.forward(
+            ids, seg.cache, positions=positions, tree_mask=seg.tree_mask, hidden_layers=hidden_layers, defer_logits=lazy
+        )
+        if out.final is not None:  # the head on the rows asked for, as the packed forward's head pass runs it
+            logits, final = self.head(out.final[0, rows]), out.final[0]
+        else:
+            assert out.logits is not None
+            logits, final = out.logits[0, rows], None
+        hidden = out.hidden[0] if out.hidden is not None else None
+        return PackedOutput(logits, final if keep_final else None, hidden, (0,))
 
     def head(self, final: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] from the last layer's normed states [..., H] (the output embedding)."""
