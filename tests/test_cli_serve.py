@@ -60,6 +60,7 @@ def test_serve_cli_end_to_end(tiny_llama_dir):
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
+    assert "engine BatchedEngineCore" in err  # the default engine
     lines = [json.loads(ln) for ln in err.splitlines() if ln.startswith("{")]
     assert [ln["stream"] for ln in lines if ln["event"] == "request"] == [False, True]
     assert "Traceback" not in err
@@ -70,7 +71,17 @@ def test_serve_bad_input_is_one_line(tiny_llama_dir):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        for extra in (["--port", str(port)], ["--drafter", "eagle9"], ["--port", "70000"], ["--max-tokens", "0"]):
+        bad = (
+            ["--port", str(port)],
+            ["--drafter", "eagle9"],
+            ["--port", "70000"],
+            ["--max-tokens", "0"],
+            ["--max-num-seqs", "0"],
+            ["--max-queue", "-1"],
+            ["--max-kv-tokens", "0"],
+            ["--drafter", "adaptive-ngram"],
+        )
+        for extra in bad:
             r = subprocess.run(
                 [*BYBLOCK, "serve", "--model", str(tiny_llama_dir), *extra], capture_output=True, text=True
             )
