@@ -56,9 +56,9 @@ def _drafters(target) -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
 def setup(request):
-    """(target, drafters) on the packed fp32 kernels; gemma3 has sliding-window layers."""
+    """(target, drafters) on the packed fp32 kernels; qwen3 has q/k norms, gemma3 sliding-window layers."""
     target = make_target(request.param, packed=True)
     return target, _drafters(target)
 
@@ -244,3 +244,14 @@ def test_batched_drafter_forward_is_bitwise_each_forks_own(setup):
         assert torch.equal(d.draft_logits(5, len(ids), 3), w)
         for mine, theirs in zip(d._cache, s._cache, strict=True):  # the same context K/V per layer
             assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+
+
+def test_quantized_kv_cache_batched_matches_solo():
+    """An int8 KV cache (kv/kv_quant.py) appends per request in the packed forward exactly as alone."""
+    target = make_target("llama", packed=True)
+    target.kv_bits = 8
+    prompts = ["def add(a, b):", REPETITIVE, "for i in range(10):"]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    drafter = NgramDrafter(NgramConfig(block_size=4))
+    solo = [generate(target, p, params, drafter=drafter).token_ids for p in prompts]
+    assert [r.token_ids for r in generate(target, prompts, params, drafter=drafter)] == solo

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -100,7 +101,8 @@ def build_drafter(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"
         lookup = None
         if spec.kind is DrafterKind.HYBRID:
             lookup = NgramDrafter(NgramConfig(block_size=dflash.block_size, min_n=spec.ngram_min, max_n=spec.ngram_max))
-        return AdaptiveDrafter(dflash, target, tree=tree, max_budget=spec.tree_budget, lookup=lookup)
+        cost = measured_costs(target, spec.tree_budget)
+        return AdaptiveDrafter(dflash, target, tree=tree, max_budget=spec.tree_budget, cost=cost, lookup=lookup)
     if spec.kind is DrafterKind.DFLASH:
         return build_dflash(spec, target, dtype)
     if spec.kind is DrafterKind.DDTREE:
@@ -125,6 +127,20 @@ def build_drafter(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"
     draft = load_model(spec.model, device=target.device, dtype=dtype, row_invariant=False)  # needs no invariance
     check_same_vocabulary(draft, target)
     return ModelDrafter(draft, target_vocab=target.vocab_size, block_size=depth)
+
+
+_COSTS: WeakKeyDictionary = WeakKeyDictionary()  # target -> {max budget: CostModel}, measured once per target
+
+
+def measured_costs(target: TargetModel, max_budget: int):
+    """The target's verify-cost curve up to max_budget + 1 rows (drafters/adaptive.py), measured once per target
+    and budget: a server loading adaptive-dflash and adaptive-hybrid measures it once, not twice."""
+    from byblock.drafters.adaptive import COST_SIZES, CostModel, measure_verify_cost
+
+    per_budget = _COSTS.setdefault(target, {})
+    if max_budget not in per_budget:
+        per_budget[max_budget] = CostModel(measure_verify_cost(target, [k for k in COST_SIZES if k <= max_budget + 1]))
+    return per_budget[max_budget]
 
 
 def shipped_dflash_dir(target_name: str) -> Path:

@@ -68,7 +68,7 @@ class PackedBatch:
         outs = []
         for seg in self.segments:
             rows = slice(seg.start, seg.end)
-            k, v = seg.cache.hf.update(key[:, :, rows], value[:, :, rows], layer)
+            k, v = seg.cache.append(layer, key[:, :, rows], value[:, :, rows])
             if state is not None:
                 state.plan = seg.row_plan
             out, _ = inner(module, query[:, :, rows], k, v, seg.masks.get(kind), **kwargs)
