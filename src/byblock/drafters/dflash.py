@@ -19,6 +19,7 @@ from byblock.drafters.dflash_model import DFlashDraftModel, PackedBlock, forward
 from byblock.errors import ByblockError
 from byblock.kernels.packed_gemm import PackedLinear
 from byblock.models.adapter import TargetModel
+from byblock.models.devices import device_clock
 from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import process_logits, sample
 from byblock.verify.types import Draft, Verdict
@@ -229,8 +230,6 @@ def draft_blocks(requests: list[tuple[DFlashDrafter, int, int, int]]) -> None:
     Forks of one DFlash network share one forward (dflash_model.forward_packed) and one pass of the head over
     every request's rows; each fork's next draft_logits call for that anchor then returns its share. With the
     packed fp32 kernels (row-invariant) the logits are bitwise those of each fork's own forward."""
-    from byblock.models.devices import device_clock
-
     groups: dict[int, list[tuple[DFlashDrafter, int, int, int]]] = {}
     for req in requests:
         groups.setdefault(id(req[0].model), []).append(req)

@@ -74,9 +74,7 @@ class Generation:
         tail = out.close()
         if tail is not None:
             yield tail
-        drafter = self.drafter
-        name, block = (drafter.name, drafter.block_size) if drafter is not None else ("none", 1)
-        self.result = out.result(name, block, stats)
+        self.result = out.result(self.drafter, stats)
 
 
 def stream(

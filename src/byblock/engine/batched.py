@@ -37,14 +37,6 @@ from byblock.models.adapter import TargetModel
 from byblock.models.devices import device_clock
 
 
-def round_rows(drafter: Drafter | None) -> int:
-    """The most rows one round of this drafter puts in a forward (root + deepest chain or largest tree)."""
-    if drafter is None:
-        return 1
-    nodes = [drafter.block_size] + [int(getattr(drafter, k, 0) or 0) for k in ("budget", "max_budget", "tree_budget")]
-    return 1 + max(nodes)
-
-
 @dataclass(frozen=True)
 class StepStats:
     """What the last step ran (the server's batch metrics)."""
@@ -133,7 +125,7 @@ class BatchedEngineCore:
         """Schedule, draft, run one packed forward, sample, emit (see the module docstring)."""
         outputs, self._failed = self._failed, []
         sched = self.scheduler
-        slack = {rid: round_rows(seq.drafter) for rid, seq in self._seqs.items()}
+        slack = {rid: seq.max_rows for rid, seq in self._seqs.items()}
         sched.preempt_for_kv(slack)
         live = [s for s in sched.running if s.cache is not None]
         shares = self._draft_blocks(live, outputs)
@@ -190,10 +182,9 @@ class BatchedEngineCore:
         requests, ids = [], []
         for seq in live:
             try:
-                if (set_load := getattr(seq.drafter, "set_batch_load", None)) is not None:
-                    rid = seq.request_id
-                    others_s = (len(live) - 1) * self.segment_s + drafting - self._shares.get(rid, 0.0)
-                    set_load(rows - seq.last_rows, emitted - seq.last_emitted, others_s)
+                if seq.set_batch_load is not None:
+                    others_s = (len(live) - 1) * self.segment_s + drafting - self._shares.get(seq.request_id, 0.0)
+                    seq.set_batch_load(rows - seq.last_rows, emitted - seq.last_emitted, others_s)
                 if (req := seq.block_request()) is not None:
                     requests.append(req)
                     ids.append(seq.request_id)
@@ -223,8 +214,7 @@ class BatchedEngineCore:
         # One output per delta, as the FIFO engine streams them: a client sees which text came from drafts.
         outs = [RequestOutput(seq.request_id, event=d) for d in deltas]
         if proc.done:
-            drafter = seq.drafter
-            result = proc.result(drafter.name if drafter else "none", drafter.block_size if drafter else 1, seq.stats)
+            result = proc.result(seq.drafter, seq.stats)
             outs.append(RequestOutput(seq.request_id, result=result))
             self._release(seq)
         return outs

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from byblock.drafters.base import Drafter
 from byblock.engine.text import IncrementalDetokenizer, StopStringMatcher
 from byblock.engine.types import FinishReason, GenerationResult, SpecStats, StreamEvent, TokenEvent
 from byblock.models.adapter import TargetModel
@@ -67,8 +68,8 @@ class OutputProcessor:
         self.pending = []
         return event
 
-    def result(self, drafter: str, block_size: int, stats: SpecStats) -> GenerationResult:
-        """Everything the request produced."""
+    def result(self, drafter: Drafter | None, stats: SpecStats) -> GenerationResult:
+        """Everything the request produced (drafter: the one that decoded it, None for plain decoding)."""
         return GenerationResult(
             text=self.stops.text,
             token_ids=self.token_ids,
@@ -77,7 +78,7 @@ class OutputProcessor:
             finish_reason=self.finish,
             ttft_s=self.ttft,
             total_s=time.perf_counter() - self.start,
-            drafter=drafter,
-            block_size=block_size,
+            drafter=drafter.name if drafter is not None else "none",
+            block_size=drafter.block_size if drafter is not None else 1,
             stats=stats,
         )

@@ -48,6 +48,14 @@ class Round:
     draft_s: float = 0.0
 
 
+def round_rows(drafter: Drafter | None) -> int:
+    """The most rows one round of this drafter puts in a forward (root + deepest chain or largest tree)."""
+    if drafter is None:
+        return 1
+    nodes = [drafter.block_size] + [int(getattr(drafter, k, 0) or 0) for k in ("budget", "max_budget", "tree_budget")]
+    return 1 + max(nodes)
+
+
 class Sequence:
     """A request's decoding state (see the module docstring)."""
 
@@ -66,14 +74,16 @@ class Sequence:
         self.params = params
         self.model = model
         self.drafter = drafter
-        self.arrival = arrival
+        # Optional drafter capabilities, looked up once: the batched drafter forward and batch-aware sizing.
+        self._ask_block = getattr(drafter, "block_request", None)
+        self.set_batch_load = getattr(drafter, "set_batch_load", None)
+        self.max_rows = round_rows(drafter)  # the most rows one round adds to a forward (the KV slack)
         self.phase = Phase.WAITING
         self.tokens: list[int] = []  # committed: prompt + generated (the last one is the root, not yet cached)
         self.cache: KVCache | None = None
         self.generator = make_generator(params.seed, model.device)
         self.stats = SpecStats()
         self.output = OutputProcessor(model, prompt_ids, params, arrival)
-        self.preemptions = 0
         self.last_rows, self.last_emitted = 1, 1  # of its last decode round (the batch load other requests see)
 
     @property
@@ -90,7 +100,6 @@ class Sequence:
         """Drop the cache; the next prefill recomputes every committed token but the root."""
         self.cache = None
         self.phase = Phase.WAITING
-        self.preemptions += 1
 
     def depth_budget(self) -> int:
         """The deepest draft this round may verify: never past what can still be emitted (the round adds one
@@ -100,11 +109,10 @@ class Sequence:
     def block_request(self):
         """The DFlash backbone forward this round's propose() will run, as (drafter fork, anchor, anchor
         position, depth), for a batched drafter forward (drafters/dflash.py draft_blocks); None if none."""
-        ask = getattr(self.drafter, "block_request", None)
         budget = self.depth_budget()
-        if ask is None or budget <= 0:
+        if self._ask_block is None or budget <= 0:
             return None
-        req = ask(self.tokens, budget)
+        req = self._ask_block(self.tokens, budget)
         return None if req is None else (req[0], self.tokens[-1], len(self.tokens) - 1, req[1])
 
     def plan(self, lazy_head: bool, clock, drafted_s: float = 0.0) -> Round:

@@ -313,13 +313,13 @@ class TargetModel:
             raise ValueError("packed forwards support causal models only")
         if len(segments) == 1:  # the same numbers by the plain path, without the per-request split's overhead
             return self._forward_one(segments[0], logits_rows, hidden_layers, keep_final)
+        if self.snapkv is not None or any(s.cache.window is not None or s.cache.h2o is not None for s in segments):
+            raise ValueError("packed forwards need plain KV caches (no StreamingLLM, H2O or SnapKV)")
         dev = self.device
         parts, plan, pos, start = [], [], [], 0
         invariant = self.row_invariant
         for seg in segments:
             cache, t = seg.cache, len(seg.input_ids)
-            if cache.window is not None or cache.h2o is not None or self.snapkv is not None:
-                raise ValueError("packed forwards need plain KV caches (no StreamingLLM, H2O or SnapKV)")
             p = seg.positions
             if p is None:
                 first = cache.next_position
