@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -42,40 +42,9 @@ from byblock.training.dflash_data import (
 )
 from byblock.training.distributed import process_device, world
 from byblock.training.regenerate import MANIFEST
+from byblock.training.train_config import TrainConfig, same_recipe
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Recipe of one drafter training run (written next to the checkpoints; a resume must match it)."""
-
-    num_layers: int = 3
-    block_size: int = 16
-    gamma: float | None = None  # None: the paper's value for the block size
-    draft_vocab_size: int = 8192  # 0: the full target vocabulary
-    steps: int = 2000
-    seqs_per_step: int = 8  # per rank
-    anchors_per_seq: int = 16
-    lr: float = 6e-4
-    warmup: float = 0.04
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    distill: float = 0.5  # weight of the top-k distillation term (0: hard labels only, as in the paper)
-    init_from_target: bool = True
-    domino: bool = False  # train a Domino correction head (with the backbone) instead of plain DFlash
-    gru_hidden_dim: int = 256
-    emb_dim: int = 128  # rank of Domino's logit residual
-    lambda_decay: float = 0.5  # base-anchored curriculum: λ goes 1 -> 0 over this fraction of the steps
-    freeze_backbone: bool = False  # Domino: train only the head (the DFlash weights stay as they are)
-    init_from: str = ""  # a DFlash checkpoint dir to start the backbone from (its vocabulary and mask id too)
-    extra_data: str = ""  # comma-separated regen dirs trained on beside the main one (each holds out its own)
-    bf16: bool = True  # autocast matmuls to bf16 (weights stay fp32); the CLI defaults to cpu_features.native_bf16()
-    val_shards: int = 1  # the last shards are held out for τ
-    val_blocks: int = 256
-    eval_every: int = 200
-    ckpt_every: int = 50
-    seed: int = 0
 
 
 def _read_manifest(data_dir: Path) -> dict:
@@ -91,15 +60,6 @@ def _split_shards(data_dir: Path, val_shards: int) -> tuple[list[Path], list[Pat
     if len(shards) <= val_shards:
         raise ByblockError(f"{data_dir}: {len(shards)} shards; need more than val_shards={val_shards}")
     return shards[:-val_shards], shards[-val_shards:]
-
-
-def same_recipe(saved: dict, cfg: TrainConfig) -> bool:
-    """Whether a checkpoint's recipe equals cfg; fields added to TrainConfig since it was written must still
-    hold their defaults (so an older run resumes under newer byblock)."""
-    current, default = asdict(cfg), asdict(TrainConfig())
-    return all(current.get(k) == v for k, v in saved.items()) and all(
-        current[k] == default[k] for k in current if k not in saved
-    )
 
 
 def _accepted_runs(logits: torch.Tensor, labels: torch.Tensor, has_label: torch.Tensor, block: int) -> torch.Tensor:
