@@ -21,8 +21,12 @@ from pathlib import Path
 
 import torch
 
-from byblock.kernels.packed_gemm import FLAGS, SOURCE, PackedGemm, PackedLinear
+from byblock.kernels.build import AVX2_FLAGS as FLAGS
+from byblock.kernels.build import CSRC
+from byblock.kernels.packed_gemm import PackedGemm, PackedLinear
 from byblock.models.loading import load_model
+
+SOURCE = CSRC / "packed_gemm.cpp"
 
 ROWS = (1, 2, 3, 4, 6, 8, 9, 12, 17, 32)
 FORWARD_K = (1, 2, 3, 5, 9, 17, 32)

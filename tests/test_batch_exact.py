@@ -31,10 +31,10 @@ REPETITIVE = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 
 
 def _drafters(target) -> dict:
-    from byblock.kernels.packed_gemm import pack_linears
+    from byblock.kernels.packed_gemm import load_kernel, pack_linears
 
     net = make_dflash(target, block=4)
-    pack_linears(net, target.hf.get_output_embeddings().kernel)  # as build_drafter sets a drafter up beside its target
+    pack_linears(net, load_kernel())  # as build_drafter sets a drafter up beside its target
     dflash = DFlashDrafter(net, target)
     head = DominoHead(DominoConfig(target.hidden_size, target.vocab_size, gru_hidden_dim=16, emb_dim=8))
     with torch.no_grad():
@@ -56,10 +56,12 @@ def _drafters(target) -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3", "llama-int4"])
 def setup(request):
-    """(target, drafters) on the packed fp32 kernels; qwen3 has q/k norms, gemma3 sliding-window layers."""
-    target = make_target(request.param, packed=True)
+    """(target, drafters) on the packed fp32 kernels; qwen3 has q/k norms, gemma3 sliding-window layers;
+    llama-int4 runs the quantized kernels (kernels/quant_gemm.py), row-invariant like the packed ones."""
+    arch, _, weights = request.param.partition("-")
+    target = make_target(arch, packed=not weights, weights=weights or None)
     return target, _drafters(target)
 
 

@@ -13,22 +13,25 @@ from tiny import ARCHS, make_target
 from byblock import SamplingParams, generate
 from byblock.drafters import ModelDrafter, NgramConfig, NgramDrafter
 
-
-@functools.cache
-def target(arch: str, packed: bool = False):
-    return make_target(arch, packed=packed)
+LINEARS = ("library", "packed", "int8", "int4")  # library fp32, byblock's packed fp32 GEMM, quantized kernels
 
 
 @functools.cache
-def reference(arch: str, prompt: tuple[int, ...], packed: bool = False) -> list[int]:
+def target(arch: str, linears: str = "library"):
+    weights = linears if linears.startswith("int") else None
+    return make_target(arch, packed=linears == "packed", weights=weights)
+
+
+@functools.cache
+def reference(arch: str, prompt: tuple[int, ...], linears: str = "library") -> list[int]:
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
-    return list(prompt) + generate(target(arch, packed), list(prompt), params).token_ids
+    return list(prompt) + generate(target(arch, linears), list(prompt), params).token_ids
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     arch=st.sampled_from(ARCHS),
-    packed=st.booleans(),  # library fp32 linears, or byblock's packed GEMM (load_model's default for fp32)
+    linears=st.sampled_from(LINEARS),  # load_model's defaults: packed for fp32 weights, int4/int8 for GGUF ones
     prompt=st.lists(st.integers(3, 319), min_size=1, max_size=24),
     block_size=st.integers(1, 16),
     max_new=st.integers(1, 40),
@@ -37,9 +40,9 @@ def reference(arch: str, prompt: tuple[int, ...], packed: bool = False) -> list[
     stop_at=st.one_of(st.none(), st.integers(0, 39)),
     seed=st.integers(0, 10**6),
 )
-def test_greedy_speculative_equals_plain(arch, packed, prompt, block_size, max_new, kind, ignore_eos, stop_at, seed):
-    t = target(arch, packed)
-    ref = reference(arch, tuple(prompt), packed)
+def test_greedy_speculative_equals_plain(arch, linears, prompt, block_size, max_new, kind, ignore_eos, stop_at, seed):
+    t = target(arch, linears)
+    ref = reference(arch, tuple(prompt), linears)
     stop: tuple[str, ...] = ()
     if stop_at is not None:  # a stop string taken from the text the model will actually produce
         piece = t.tokenizer.decode(ref[len(prompt) + stop_at : len(prompt) + stop_at + 2], skip_special_tokens=True)

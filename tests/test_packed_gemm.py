@@ -107,5 +107,10 @@ def test_kernel_compiles_into_a_fresh_cache_and_degrades_without_gxx(kernel, tmp
     w = torch.randn(20, 9)
     assert torch.equal(PackedLinear(w, None, fresh)(torch.ones(1, 9)), PackedLinear(w, None, kernel)(torch.ones(1, 9)))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "b"))
-    monkeypatch.setattr(packed_gemm.shutil, "which", lambda _: None)
+    from byblock.kernels import build
+
+    monkeypatch.setattr(build.shutil, "which", lambda _: None)
     assert packed_gemm.load_kernel.__wrapped__() is None
+    from byblock.kernels import quant_gemm
+
+    assert quant_gemm.load_quant_kernel.__wrapped__() is None  # the same builder: no g++, no kernel

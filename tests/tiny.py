@@ -103,10 +103,11 @@ def make_target(
     dtype: torch.dtype = torch.float32,
     row_invariant: bool = False,
     packed: bool = False,
+    weights: str | None = None,
     **overrides,
 ):
-    """A TargetModel over a tiny random model with the tiny tokenizer (optionally bf16 + row-invariant, or
-    fp32 on byblock's packed GEMM as load_model sets it up)."""
+    """A TargetModel over a tiny random model with the tiny tokenizer (optionally bf16 + row-invariant, fp32 on
+    byblock's packed GEMM as load_model sets it up, or with weights "int8" / "int4" on the quantized kernels)."""
     from byblock.kernels.invariant import enable_row_invariance
     from byblock.models.adapter import TargetModel
 
@@ -127,7 +128,18 @@ def make_target(
         from byblock.kernels.gqa_sdpa import enable_gqa_sdpa
 
         enable_gqa_sdpa(model)  # load_model's fp32 attention, and the one packed (batched) forwards split per sequence
-    return TargetModel(model, tok, name=f"tiny-{arch}")
+    if weights is not None:
+        from byblock.kernels.gqa_sdpa import enable_gqa_sdpa
+        from byblock.kernels.quant_gemm import load_quant_kernel, quantize_linears
+
+        kernel = load_quant_kernel()
+        if kernel is None:
+            import pytest
+
+            pytest.skip("byblock's quantized GEMM does not build here (no g++ or no AVX2)")
+        quantize_linears(model, {"int8": 8, "int4": 4}[weights], kernel)
+        enable_gqa_sdpa(model)
+    return TargetModel(model, tok, name=f"tiny-{arch}", weights=weights)
 
 
 def save_checkpoint(arch: str, path: Path, seed: int = 0) -> Path:

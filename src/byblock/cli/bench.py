@@ -202,7 +202,12 @@ def run(args: argparse.Namespace) -> int:
         raise ByblockError("--batch must be >= 1")
     datasets = load_datasets(args.dataset, args.dataset_path, args.limit)
     target = load_model(
-        args.model, device=args.device, dtype=args.dtype, row_invariant=row_invariant(args), relayout=relayout(args)
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        row_invariant=row_invariant(args),
+        relayout=relayout(args),
+        weights=args.weights,
     )
     from byblock.cli.sparse_args import enable_sparse
 
@@ -271,7 +276,7 @@ def _run_loaded(args, names, specs, datasets, target, runners, params, density, 
         "machine": describe_machine(),
         "date": datetime.date.today().isoformat(),
         "model": args.model,
-        "dtype": args.dtype,
+        "dtype": target.weights,  # float32 / bfloat16 / int8 / int4 / gguf (210 Q4_1, 1 Q8_0)
         "device": str(args.device),
         "params": {
             "temperature": args.temperature,

@@ -6,7 +6,7 @@ import argparse
 
 
 def add_dtype_args(parser: argparse.ArgumentParser) -> None:
-    """--device, --dtype, --linears and --no-row-invariance."""
+    """--device, --dtype, --weights, --linears and --no-row-invariance."""
     parser.add_argument(
         "--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA when a GPU is visible, else the CPU)"
     )
@@ -15,6 +15,14 @@ def add_dtype_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "float32", "bfloat16"],
         help="weights dtype (auto: bfloat16 on CUDA, float32 on the CPU)",
+    )
+    parser.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "int8", "int4", "gguf"],
+        help="how linears hold their weights (auto: a GGUF's own Q4_0/Q4_1/Q4_K/Q8_0 blocks on the CPU, else "
+        "the --dtype's floats; int8/int4: round-to-nearest groups of 32; all quantized kernels are CPU ones, "
+        "row-invariant: kernels/quant_gemm.py)",
     )
     parser.add_argument(
         "--linears",
@@ -39,8 +47,9 @@ def row_invariant(args: argparse.Namespace) -> bool | None:
 def resolve_placement(args: argparse.Namespace) -> None:
     """Resolve --device and --dtype once, before anything loads: `args.device` becomes a torch.device and
     `args.dtype` a concrete name ("float32" / "bfloat16"); a device this machine lacks is a one-line error."""
-    from byblock.models.devices import resolve_device, resolve_dtype
+    from byblock.models.devices import resolve_device, resolve_dtype, weights_dtype
 
+    args.dtype = weights_dtype(args.weights, args.dtype)
     args.device = resolve_device(args.device)
     args.dtype = {"torch.float32": "float32", "torch.bfloat16": "bfloat16"}[str(resolve_dtype(args.dtype, args.device))]
 

@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
         row_invariant=row_invariant(args),
         relayout=relayout(args),
+        weights=args.weights,
     )
     density = enable_sparse(model, args)
     drafter = build_drafter(spec, model, dtype=args.dtype)

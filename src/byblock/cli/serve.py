@@ -181,6 +181,7 @@ def _ar_core(args: argparse.Namespace, batch):
         trust_remote_code=args.trust_remote_code,
         row_invariant=row_invariant(args),
         relayout=relayout(args),
+        weights=args.weights,
     )
     from byblock.cli.sparse_args import enable_sparse
 

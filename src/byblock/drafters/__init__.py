@@ -155,7 +155,8 @@ def shipped_dflash_dir(target_name: str) -> Path:
 def build_dflash(spec: DrafterSpec, target: TargetModel, dtype: str = "float32") -> DFlashDrafter:
     """A DFlash drafter from a checkpoint dir (or the one shipped for the target), in the target's dtype."""
     from byblock.drafters.dflash_format import load_dflash
-    from byblock.kernels.packed_gemm import PackedLinear, pack_linears
+    from byblock.kernels import invariant_head
+    from byblock.kernels.packed_gemm import load_kernel, pack_linears
     from byblock.models.loading import DTYPES
 
     path = Path(spec.model).expanduser() if spec.model else shipped_dflash_dir(target.name)
@@ -163,8 +164,9 @@ def build_dflash(spec: DrafterSpec, target: TargetModel, dtype: str = "float32")
     model = model.to(target.device)  # the drafter runs beside its target, reading the target's embedding and head
     vocab = None if vocab is None else vocab.to(target.device)
     head = target.hf.get_output_embeddings()
-    if isinstance(head, PackedLinear) and next(model.parameters()).dtype == torch.float32:
-        pack_linears(model, head.kernel)  # the drafter follows the target's fp32 kernels (kernels/packed_gemm.py)
+    fp32 = next(model.parameters()).dtype == torch.float32
+    if fp32 and invariant_head(head) is not None and (kernel := load_kernel()) is not None:
+        pack_linears(model, kernel)  # the drafter follows the target onto row-invariant kernels (packed fp32)
     return DFlashDrafter(model, target, block=spec.block_size, draft_vocab=vocab)
 
 

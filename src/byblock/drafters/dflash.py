@@ -14,10 +14,11 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from byblock.drafters.dflash_model import DFlashDraftModel, PackedBlock, forward_packed
 from byblock.errors import ByblockError
-from byblock.kernels.packed_gemm import PackedLinear
+from byblock.kernels import invariant_head
 from byblock.models.adapter import TargetModel
 from byblock.models.devices import device_clock
 from byblock.sampling.params import SamplingParams
@@ -72,12 +73,12 @@ class DFlashDrafter:
         self.device = self.embed_weight.device  # the target's: the drafter runs beside it
         head = target.hf.get_output_embeddings()
         self.draft_vocab = draft_vocab
-        self.packed_head: PackedLinear | None = None  # the target's fp32 head on the packed kernel, if it is
+        # The target's head on its row-invariant kernel (packed fp32 or quantized), if it has one.
+        self.packed_head: nn.Module | None = None
         self.head_t: torch.Tensor | None = None  # else [H, Vd] for a library matmul
-        if isinstance(head, PackedLinear) and dtype in (None, torch.float32):
-            restricted = draft_vocab is not None
-            self.packed_head = PackedLinear(head.weight[draft_vocab], None, head.kernel) if restricted else head
-        else:
+        if dtype in (None, torch.float32):
+            self.packed_head = invariant_head(head, draft_vocab)
+        if self.packed_head is None:
             head_t = head.weight_t if hasattr(head, "weight_t") else head.weight.t()  # [H, V]
             if draft_vocab is not None:
                 head_t = head_t[:, draft_vocab]  # [H, Vd]: a restricted head is a cheaper drafter forward

@@ -17,30 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from byblock.kernels.cpu_features import cpu_flags
+from byblock.kernels.build import load_library
 
-log = logging.getLogger("byblock")
-
-SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.cpp"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 ALIGN_BYTES = 32  # aligned AVX loads from the packed panels
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "byblock" / "kernels"
 
 
 class PackedGemm:
@@ -90,33 +74,11 @@ class PackedGemm:
         return y.view(*x.shape[:-1], out_features)
 
 
-def _compile(out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        so = Path(tmp) / out.name
-        subprocess.run(["g++", *FLAGS, str(SOURCE), "-o", str(so)], check=True, capture_output=True, timeout=120)
-        os.replace(so, out)  # atomic: concurrent processes never load a half-written library
-
-
 @functools.cache
 def load_kernel() -> PackedGemm | None:
     """The packed GEMM for this CPU, compiled on first use; None where it cannot run (reason logged once)."""
-    flags = cpu_flags()
-    has_avx2 = {"avx2", "fma"} <= flags if flags is not None else torch.backends.cpu.get_cpu_capability() != "DEFAULT"
-    if not has_avx2 or not SOURCE.exists():
-        return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"packed_gemm-{digest}.so"
-    try:
-        if not out.exists():
-            if shutil.which("g++") is None:
-                log.info("byblock: no g++ found; fp32 linears use the library kernels")
-                return None
-            _compile(out)
-        return PackedGemm(ctypes.CDLL(str(out)))
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("warning: byblock's packed fp32 GEMM is unavailable (%s); using the library kernels", e)
-        return None
+    library = load_library("packed_gemm")
+    return None if library is None else PackedGemm(library)
 
 
 class PackedLinear(nn.Module):

@@ -58,7 +58,7 @@ def _as_id_set(value: object) -> set[int]:
 class TargetModel:
     """A causal LM + tokenizer, driven token-by-token or block-by-block by the engine."""
 
-    def __init__(self, hf_model: torch.nn.Module, tokenizer, name: str = "model") -> None:
+    def __init__(self, hf_model: torch.nn.Module, tokenizer, name: str = "model", weights: str | None = None) -> None:
         self.hf = hf_model
         self.tokenizer = tokenizer
         self.name = name
@@ -81,6 +81,8 @@ class TargetModel:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         first = next(hf_model.parameters())
         self.dtype: torch.dtype = first.dtype
+        # How the linears hold their weights, for reports: "float32", "bfloat16", "int4", "gguf (210 Q4_1, ...)".
+        self.weights: str = weights or str(first.dtype).removeprefix("torch.")
         self.device: torch.device = first.device  # every per-round tensor is built here, never on a default device
         self.kv_bits: int | None = None  # 8 / 4: int8 / int4 KV cache (kv/kv_quant.py)
         self.kv_window: StreamingWindow | None = None  # StreamingLLM sinks + window (kv/kv_cache.py)

@@ -1,8 +1,10 @@
-"""Where a model runs and in what dtype: `--device auto|cpu|cuda[:N]` and `--dtype auto|float32|bfloat16`,
-resolved once, before anything is loaded, with one-line errors for what this machine cannot do."""
+"""Where a model runs and in what dtype: `--device auto|cpu|cuda[:N]`, `--dtype auto|float32|bfloat16` and
+`--weights auto|fp32|bf16|int8|int4|gguf`, resolved once, before anything is loaded, with one-line errors for
+what this machine cannot do."""
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 
@@ -46,6 +48,53 @@ def resolve_dtype(text: str | torch.dtype, device: torch.device) -> torch.dtype:
     if text not in DTYPES:
         raise ByblockError(f"unknown dtype '{text}' (choose from auto, {', '.join(DTYPES)})")
     return DTYPES[text]
+
+
+class WeightFormat(enum.Enum):
+    """How the linears' weights are stored: as floats (the dtype), or quantized (kernels/quant_gemm.py)."""
+
+    FLOAT = "float"  # the --dtype's floats (fp32: the packed GEMM; bf16: the bf16 kernels)
+    INT8 = "int8"  # round-to-nearest per group of 32 (Q8_0-like)
+    INT4 = "int4"  # round-to-nearest asymmetric per group of 32 (Q4_1-like)
+    GGUF = "gguf"  # the GGUF's own blocks, exactly (models/gguf_weights.py)
+
+    @property
+    def quantized(self) -> bool:
+        return self is not WeightFormat.FLOAT
+
+
+WEIGHT_CHOICES = ("auto", "fp32", "bf16", "int8", "int4", "gguf")
+
+
+def resolve_weights(
+    text: str, dtype: torch.dtype, device: torch.device, *, from_gguf: bool, kernel_available: bool
+) -> WeightFormat:
+    """`auto`: a GGUF's own blocks where the model comes from one and the quantized kernels run here (CPU, fp32
+    activations), else floats. fp32 / bf16 name the float formats (`dtype` must agree)."""
+    if text not in WEIGHT_CHOICES:
+        raise ByblockError(f"unknown weights format '{text}' (choose from {', '.join(WEIGHT_CHOICES)})")
+    if text == "auto":
+        usable = from_gguf and device.type == "cpu" and dtype == torch.float32 and kernel_available
+        return WeightFormat.GGUF if usable else WeightFormat.FLOAT
+    if text in ("fp32", "bf16"):
+        if dtype != DTYPES[text]:
+            raise ByblockError(f"--weights {text} contradicts --dtype {str(dtype).removeprefix('torch.')}")
+        return WeightFormat.FLOAT
+    fmt = WeightFormat(text)
+    if device.type != "cpu":
+        raise ByblockError(f"--weights {text}: the quantized kernels are CPU kernels; on {device} use fp32 or bf16")
+    if dtype != torch.float32:
+        raise ByblockError(f"--weights {text} computes in float32; drop --dtype {str(dtype).removeprefix('torch.')}")
+    if fmt is WeightFormat.GGUF and not from_gguf:
+        raise ByblockError("--weights gguf needs a GGUF model (a built-in or a .gguf file)")
+    return fmt
+
+
+def weights_dtype(text: str, dtype: str) -> str:
+    """The --dtype implied by --weights fp32 / bf16 when --dtype is auto (else --dtype as given)."""
+    if dtype == "auto" and text in ("fp32", "bf16"):
+        return {"fp32": "float32", "bf16": "bfloat16"}[text]
+    return dtype
 
 
 def synchronize(device: torch.device) -> None:

@@ -23,8 +23,10 @@ from byblock.kernels.fast_linear import dual_layout_linears, relayout_linears
 from byblock.kernels.gqa_sdpa import enable_gqa_sdpa
 from byblock.kernels.invariant import enable_row_invariance, probe_row_invariance
 from byblock.kernels.packed_gemm import load_kernel, pack_linears
+from byblock.kernels.quant_gemm import load_quant_kernel, quantize_linears
 from byblock.models.adapter import TargetModel
-from byblock.models.devices import DTYPES, resolve_device, resolve_dtype
+from byblock.models.devices import DTYPES, WeightFormat, resolve_device, resolve_dtype, resolve_weights
+from byblock.models.gguf_weights import load_gguf_linears
 from byblock.models.registry import BUILTIN_MODELS, resolve_builtin
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,14 @@ def dequantize_gguf(gguf: Path) -> Path:
     return target
 
 
+def gguf_source(name_or_path: str) -> Path | None:
+    """The GGUF file a model reference loads from (a built-in's or a .gguf path), or None."""
+    if name_or_path in BUILTIN_MODELS:
+        return resolve_builtin(name_or_path)
+    path = Path(name_or_path).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def resolve_checkpoint(name_or_path: str) -> str:
     """Map a user-given model reference to something `from_pretrained` can open."""
     if name_or_path in BUILTIN_MODELS:
@@ -170,6 +180,7 @@ def load_model(
     attn_implementation: str = "sdpa",
     relayout: bool | str = True,
     row_invariant: bool | None = None,
+    weights: str = "auto",
 ) -> TargetModel:
     """Load a causal LM and its tokenizer as a TargetModel.
 
@@ -181,15 +192,21 @@ def load_model(
         dtype: weights dtype: "auto" (bfloat16 on CUDA, float32 on the CPU), "float32" or "bfloat16".
         trust_remote_code: allow code shipped with a hub checkpoint to run (off unless asked).
         attn_implementation: transformers attention backend ("sdpa" or "eager").
-        relayout: True: the fastest linears available: for float32 byblock's packed-panel GEMM
+        relayout: True: the fastest float linears available: for float32 byblock's packed-panel GEMM
             (kernels/packed_gemm.py; fast and row-invariant at any row count) where it compiles, else weights
             stored [in, out] for faster CPU GEMV ("inout", kernels/fast_linear.py); "dual": both library
-            layouts, the kernel picked by row count; "packed": the packed GEMM or an error; False: as loaded.
+            layouts, the kernel picked by row count; "packed": the packed GEMM or an error; False: as loaded
+            (with `weights="auto"`, floats too).
         row_invariant: make decode and verify forwards compute each token's logits bitwise independently of
             how many tokens share the forward, so speculative decoding is token-identical to plain decoding
             (kernels/invariant.py; replaces `relayout`). None: on for bfloat16 on the CPU, whose kernels need it;
             off elsewhere (a GPU's library kernels are not row-invariant: greedy speculative output then equals
             plain greedy output except at near-ties, see docs/devices.md).
+        weights: how linears store their weights (models/devices.py WeightFormat): "auto" (a GGUF's own blocks
+            where the model comes from a GGUF and runs on the CPU in float32, else floats), "fp32" / "bf16"
+            (floats of that dtype), "int8" / "int4" (round-to-nearest groups of 32) or "gguf" (the file's
+            Q4_0 / Q4_1 / Q4_K / Q8_0 blocks as they are; other types stay float). Quantized linears run
+            byblock's row-invariant int4 / int8 kernels (kernels/quant_gemm.py) with fp32 activations.
     """
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -206,6 +223,15 @@ def load_model(
             "warning: this CPU has no native bf16 (AVX512-BF16 / AMX): bf16 is emulated and runs slower than "
             "--dtype float32 here"
         )
+    source = gguf_source(name_or_path)
+    quant_kernel = load_quant_kernel() if on_cpu else None
+    if relayout is False and weights == "auto":
+        weights = "fp32" if dtype == torch.float32 else "bf16"  # "as loaded": the checkpoint's floats
+    fmt = resolve_weights(
+        weights, dtype, device, from_gguf=source is not None, kernel_available=quant_kernel is not None
+    )
+    if fmt.quantized and quant_kernel is None:
+        log.warning("warning: byblock's quantized kernels do not build here (no g++ or AVX2); %s runs slowly", fmt)
     ckpt = resolve_checkpoint(name_or_path)
     is_hub = not Path(ckpt).exists()
     kwargs = {"trust_remote_code": trust_remote_code}
@@ -230,6 +256,7 @@ def load_model(
         raise ModelNotFoundError(f"cannot load model '{name_or_path}': {_first_line(e)}") from e
     if not on_cpu:  # the portable path: transformers' modules with the device's library kernels
         return TargetModel(model.to(device).eval(), tok, name=name_or_path)
+    described = _quantize(model, fmt, source, Path(ckpt), quant_kernel) if fmt.quantized else str(dtype)[6:]
     if row_invariant is None:
         row_invariant = dtype == torch.bfloat16
     if row_invariant:
@@ -251,4 +278,20 @@ def load_model(
             raise ByblockError("--linears packed needs float32 weights, g++ and an AVX2 CPU (kernels/packed_gemm.py)")
         elif relayout:
             relayout_linears(model)
-    return TargetModel(model.eval(), tok, name=name_or_path)
+    return TargetModel(model.eval(), tok, name=name_or_path, weights=described)
+
+
+def _quantize(model, fmt: WeightFormat, source: Path | None, ckpt: Path, kernel) -> str:
+    """Quantize `model`'s linears in place as `fmt` asks; returns a description ("gguf: 210 Q4_1, 1 Q8_0")."""
+    n_layers = model.config.get_text_config().num_hidden_layers
+    if fmt is WeightFormat.GGUF:
+        assert source is not None
+        report = load_gguf_linears(model, source, ckpt, kernel, n_layers)
+        log.info("byblock: %s", report.summary())
+        kinds: dict[str, int] = {}
+        for kind in report.kept.values():
+            kinds[kind] = kinds.get(kind, 0) + 1
+        return "gguf (" + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) + ")"
+    count = quantize_linears(model, 8 if fmt is WeightFormat.INT8 else 4, kernel)
+    log.info("byblock: %d linears quantized to %s", count, fmt.value)
+    return fmt.value

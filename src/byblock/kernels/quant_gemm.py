@@ -1,0 +1,238 @@
+"""Weight-only int4 / int8 linears: the weights stay quantized in memory and are de-quantized in registers.
+
+A decoding step on a CPU streams every weight once, so bytes per weight set the speed: fp32 is 4 bytes, the
+built-in SmolLM2 GGUF 0.6 (Q4_1) and its embedding 1.06 (Q8_0). `csrc/quant_gemm.cpp` keeps groups of 32
+inputs per output in one of two layouts (int4: nibbles + an fp32 scale and min per group; int8: bytes + an fp32
+scale), de-quantizes them with a multiply and an add (bitwise the GGUF de-quantizer's values) and accumulates
+in fp32 against fp32 activations. Like the packed fp32 GEMM it is row-invariant: each output is one fixed
+sequence of FMAs whatever the number of rows, so speculative decoding stays bitwise lossless on it.
+
+Sources of the quantized blocks: a GGUF's own Q4_0 / Q4_1 / Q4_K / Q8_0 tensors (models/gguf_weights.py, exact)
+or byblock's round-to-nearest quantizer over float weights (`quantize`, for `--weights int8|int4` from a float
+checkpoint).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from byblock.kernels.build import AVX2_FLAGS, load_library
+from byblock.kernels.cpu_features import cpu_flags
+
+GROUP = 32  # inputs per quantization group (the GGUF block size of Q4_0 / Q4_1 / Q8_0)
+PANEL = 16  # outputs per panel (csrc/quant_gemm.cpp)
+# De-quantize as multiply-then-add, exactly as the reference does (no FMA contraction).
+ISA_FLAGS = {
+    "avx2": (*AVX2_FLAGS, "-ffp-contract=off"),
+    "avx512": (*AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-ffp-contract=off"),
+}
+AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
+
+
+class QuantGemm:
+    """The compiled kernels: y = x W^T (+ b) for int4 or int8 grouped weights, any number of rows."""
+
+    def __init__(self, library: ctypes.CDLL, isa: str) -> None:
+        self._lib = library
+        self.isa = isa
+        vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        library.byblock_int4_linear.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, vp, i32]
+        library.byblock_int4_linear.restype = None
+        library.byblock_int8_linear.argtypes = [vp, i64, i64, vp, vp, i64, vp, vp, i32]
+        library.byblock_int8_linear.restype = None
+        assert library.byblock_quant_group() == GROUP and library.byblock_quant_panel() == PANEL
+
+    def linear(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] fp32 on the CPU -> [..., N]."""
+        if x.device.type != "cpu":  # raw pointers into a CPU kernel
+            raise ValueError(f"the quantized GEMM is a CPU kernel; got an input on {x.device}")
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        x2 = x.reshape(rows, k).contiguous()
+        y = torch.empty(rows, w.out_features, dtype=torch.float32)
+        if rows:
+            b = None if bias is None else bias.data_ptr()
+            threads = torch.get_num_threads()
+            if w.bits == 4:
+                self._lib.byblock_int4_linear(
+                    x2.data_ptr(), rows, k, w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr(),
+                    w.out_features, b, y.data_ptr(), threads,
+                )  # fmt: skip
+            else:
+                self._lib.byblock_int8_linear(
+                    x2.data_ptr(), rows, k, w.q.data_ptr(), w.scale.data_ptr(), w.out_features, b, y.data_ptr(),
+                    threads,
+                )  # fmt: skip
+        return y.view(*x.shape[:-1], w.out_features)
+
+
+def best_isa() -> str:
+    """The widest build this CPU runs: "avx512" (16-lane) or "avx2" (8-lane, the portable path)."""
+    flags = cpu_flags() or frozenset()
+    return "avx512" if flags >= AVX512_CPU_FLAGS else "avx2"
+
+
+@functools.cache
+def load_quant_kernel(isa: str | None = None) -> QuantGemm | None:
+    """The quantized GEMM for this CPU (or the named build), compiled on first use; None where it cannot run.
+
+    The two builds sum in different lane widths, so their outputs differ in the last bits; each is row-invariant
+    on its own, and a process uses one."""
+    isa = isa or best_isa()
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"unknown ISA {isa!r}; expected one of {sorted(ISA_FLAGS)}")
+    library = load_library("quant_gemm", ISA_FLAGS[isa])
+    return None if library is None else QuantGemm(library, isa)
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """One [N, K] weight in the kernel's layout (K a multiple of 32): outputs in panels of 16, P = ceil(N / 16).
+
+    bits 4: q uint8 [P, K/32, 16, 16]: per group, 16 input pairs x 16 outputs, input 2i in the low nibble and
+            2i + 1 in the high one; w = scale * q + minv.
+    bits 8: q uint8 [P, K/32, 32, 16] holding int8 values; w = scale * q.
+    scale, minv: fp32 [P, K/32, 16] (padded outputs have scale 0). Build one with `from_values`."""
+
+    bits: int
+    q: torch.Tensor
+    scale: torch.Tensor
+    minv: torch.Tensor | None
+    out_features: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits}")
+        p, g, w = self.scale.shape
+        want = (p, g, 16 if self.bits == 4 else 32, PANEL)
+        if w != PANEL or tuple(self.q.shape) != want or self.q.dtype != torch.uint8:
+            raise ValueError(f"q must be uint8 {want}, got {self.q.dtype} {tuple(self.q.shape)}")
+        if (self.minv is None) != (self.bits == 8) or self.scale.dtype != torch.float32:
+            raise ValueError("int4 needs fp32 scale and minv, int8 an fp32 scale only")
+        if not (p - 1) * PANEL < self.out_features <= p * PANEL:
+            raise ValueError(f"{p} panels cannot hold {self.out_features} outputs")
+
+    @property
+    def in_features(self) -> int:
+        return self.scale.shape[1] * GROUP
+
+    @classmethod
+    def from_values(
+        cls, bits: int, values: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None
+    ) -> QuantWeight:
+        """From per-output quantized values [N, K] (uint8 0..15 for int4, int8 for int8) and per-group
+        scale / minv [N, K/32]: w[n, k] = scale[n, k // 32] * values[n, k] (+ minv[n, k // 32])."""
+        n, k = values.shape
+        g, p = k // GROUP, -(-n // PANEL)
+        pad = p * PANEL - n
+
+        def panels(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [P, 16, ...], padded with zeros
+            return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]).reshape(p, PANEL, *t.shape[1:])
+
+        per_group = lambda t: panels(t.float()).permute(0, 2, 1).contiguous()  # noqa: E731 [P, G, 16]
+        if bits == 4:
+            v = panels(values.to(torch.uint8)).reshape(p, PANEL, g, GROUP // 2, 2)
+            q = (v[..., 0] | (v[..., 1] << 4)).permute(0, 2, 3, 1)  # [P, G, 16 pairs, 16 outputs]
+            return cls(4, q.contiguous(), per_group(scale), per_group(minv), n)
+        v = panels(values.to(torch.int8).view(torch.uint8)).reshape(p, PANEL, g, GROUP)
+        return cls(8, v.permute(0, 2, 3, 1).contiguous(), per_group(scale), None, n)
+
+    def values(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The inverse of `from_values`: (values [N, K], scale [N, K/32], minv [N, K/32] or None)."""
+        p, g = self.scale.shape[:2]
+        n = self.out_features
+        if self.bits == 4:
+            pairs = torch.stack([self.q & 0x0F, self.q >> 4], dim=-1)  # [P, G, 16, 16 outputs, 2]
+            v = pairs.permute(0, 3, 1, 2, 4).reshape(p * PANEL, g * GROUP)
+        else:
+            v = self.q.view(torch.int8).permute(0, 3, 1, 2).reshape(p * PANEL, g * GROUP)
+        per_output = lambda t: t.permute(0, 2, 1).reshape(p * PANEL, g)[:n].contiguous()  # noqa: E731
+        return v[:n], per_output(self.scale), None if self.minv is None else per_output(self.minv)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [N, K] this layout stands for (the kernel's values, bitwise)."""
+        v, scale, minv = self.values()
+        groups = v.float().reshape(self.out_features, -1, GROUP) * scale[..., None]
+        if minv is not None:
+            groups = groups + minv[..., None]
+        return groups.reshape(self.out_features, self.in_features)
+
+    def take_rows(self, rows: torch.Tensor) -> QuantWeight:
+        """The weight restricted to (or permuted by) these output rows."""
+        v, scale, minv = self.values()
+        return QuantWeight.from_values(self.bits, v[rows], scale[rows], None if minv is None else minv[rows])
+
+    def nbytes(self) -> int:
+        """Bytes held (weights and scales)."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv) if t is not None)
+
+
+def quantize(weight: torch.Tensor, bits: int) -> QuantWeight:
+    """Round-to-nearest grouped quantization of a float [N, K] weight: int8 symmetric (absmax / 127, as Q8_0),
+    int4 asymmetric (min and (max - min) / 15 per group, as Q4_1)."""
+    n = weight.shape[0]
+    w = weight.detach().float().reshape(n, -1, GROUP)  # [N, G, 32]
+    if bits == 8:
+        scale = w.abs().amax(-1) / 127
+        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        q = torch.round(w * inv[..., None]).clamp(-128, 127).to(torch.int8)
+        return QuantWeight.from_values(8, q.reshape(n, -1), scale, None)
+    if bits != 4:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = (hi - lo) / 15
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    q = torch.round((w - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    return QuantWeight.from_values(4, q.reshape(n, -1), scale, lo)
+
+
+class QuantLinear(nn.Module):
+    """Inference drop-in for nn.Linear with a quantized weight; `.weight` de-quantizes a fresh fp32 copy."""
+
+    def __init__(self, qweight: QuantWeight, bias: torch.Tensor | None, kernel: QuantGemm | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.out_features, qweight.in_features
+        self.bits = qweight.bits
+        self.kernel = kernel
+        # Buffers, not parameters: integer tensors cannot be parameters; they still move and count as state.
+        self.register_buffer("q", qweight.q)
+        self.register_buffer("scale", qweight.scale)
+        self.register_buffer("minv", qweight.minv)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
+
+    @property
+    def qweight(self) -> QuantWeight:
+        """The weight in the kernel's layout."""
+        return QuantWeight(self.bits, self.q, self.scale, self.minv, self.out_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """[out, in] fp32, de-quantized (not for hot loops)."""
+        return self.qweight.dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        autograd = x.requires_grad and torch.is_grad_enabled()
+        if autograd or self.kernel is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return self.kernel.linear(x, self.qweight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}"
+
+
+def quantize_linears(model: nn.Module, bits: int, kernel: QuantGemm | None, skip: set[int] | None = None) -> int:
+    """Replace every float nn.Linear whose input size is a multiple of 32 by a QuantLinear (round-to-nearest);
+    returns how many were replaced. `skip`: ids of modules to leave alone."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.in_features % GROUP == 0 and id(child) not in (skip or set()):
+                setattr(parent, name, QuantLinear(quantize(child.weight, bits), child.bias, kernel))
+                count += 1
+    return count
