@@ -3,6 +3,8 @@ invariance at every row count, both ISA builds, and the GGUF block decoders agai
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -124,6 +126,9 @@ def test_real_gguf_keeps_every_block_exactly():
     real_model = real_model_or_skip()  # weights="auto": the GGUF's own blocks
     fp32 = load_model("smollm2-135m", weights="fp32", relayout=False)
     assert real_model.weights.startswith("gguf (210 Q4_1, 1 Q8_0)")
+    # The blocks' cache lies beside the de-quantized checkpoint: vLLM loads every *.safetensors inside it.
+    ckpt = real_model.hf.name_or_path
+    assert [p.name for p in Path(ckpt).glob("*.safetensors")] == ["model.safetensors"], ckpt
     ours = dict(real_model.hf.named_modules())
     for name, module in fp32.hf.named_modules():
         if isinstance(module, torch.nn.Linear):

@@ -50,26 +50,38 @@ class QuantGemm:
 
     def linear(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] fp32 on the CPU -> [..., N]."""
+        return self.run(x, w.bits, w.q, w.scale, w.minv, w.out_features, bias)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        bits: int,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        minv: torch.Tensor | None,
+        out_features: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`linear` on the layout's tensors directly (QuantLinear's hot path: no QuantWeight built per call)."""
         if x.device.type != "cpu":  # raw pointers into a CPU kernel
             raise ValueError(f"the quantized GEMM is a CPU kernel; got an input on {x.device}")
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         x2 = x.reshape(rows, k).contiguous()
-        y = torch.empty(rows, w.out_features, dtype=torch.float32)
+        y = torch.empty(rows, out_features, dtype=torch.float32)
         if rows:
             b = None if bias is None else bias.data_ptr()
             threads = torch.get_num_threads()
-            if w.bits == 4:
+            if bits == 4:
                 self._lib.byblock_int4_linear(
-                    x2.data_ptr(), rows, k, w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr(),
-                    w.out_features, b, y.data_ptr(), threads,
+                    x2.data_ptr(), rows, k, q.data_ptr(), scale.data_ptr(), minv.data_ptr(), out_features, b,
+                    y.data_ptr(), threads,
                 )  # fmt: skip
             else:
                 self._lib.byblock_int8_linear(
-                    x2.data_ptr(), rows, k, w.q.data_ptr(), w.scale.data_ptr(), w.out_features, b, y.data_ptr(),
-                    threads,
+                    x2.data_ptr(), rows, k, q.data_ptr(), scale.data_ptr(), out_features, b, y.data_ptr(), threads
                 )  # fmt: skip
-        return y.view(*x.shape[:-1], w.out_features)
+        return y.view(*x.shape[:-1], out_features)
 
 
 def best_isa() -> str:
@@ -220,7 +232,7 @@ class QuantLinear(nn.Module):
         autograd = x.requires_grad and torch.is_grad_enabled()
         if autograd or self.kernel is None or x.dtype != torch.float32 or x.device.type != "cpu":
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return self.kernel.linear(x, self.qweight, self.bias)
+        return self.kernel.run(x, self.bits, self.q, self.scale, self.minv, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}"

@@ -11,11 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
+from byblock.kernels.gqa_sdpa import NAME as GQA_SDPA
+from byblock.kernels.gqa_sdpa import gqa_sdpa_attention_forward
 from byblock.kernels.invariant import NAME as INVARIANT_ATTENTION
 from byblock.kernels.invariant import RowPlan
 from byblock.kernels.ragged import BATCH_KWARG, PackedBatch, Segment
 from byblock.kv.h2o import H2OState, tree_parents
 from byblock.kv.kv_cache import KVCache, StreamingWindow
+from byblock.models.decoder import DecoderForward
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,16 @@ def _as_id_set(value: object) -> set[int]:
 class TargetModel:
     """A causal LM + tokenizer, driven token-by-token or block-by-block by the engine."""
 
-    def __init__(self, hf_model: torch.nn.Module, tokenizer, name: str = "model", weights: str | None = None) -> None:
+    def __init__(
+        self,
+        hf_model: torch.nn.Module,
+        tokenizer,
+        name: str = "model",
+        weights: str | None = None,
+        own_forward: bool = True,
+    ) -> None:
+        """own_forward: run byblock's decoder forward (models/decoder.py) where it reproduces the model (llama /
+        qwen3 in fp32 on byblock's attention); False keeps transformers' modules for every forward."""
         self.hf = hf_model
         self.tokenizer = tokenizer
         self.name = name
@@ -92,6 +104,9 @@ class TargetModel:
         # the first forward that asks checks it on its own output (a head that scales or soft-caps logits: no).
         base = getattr(hf_model, "base_model", None)
         self._defers_logits: bool | None = None if base is not None and base is not hf_model else False
+        self.decoder = DecoderForward(hf_model) if own_forward and DecoderForward.supports(hf_model) else None
+        if self.decoder is not None:
+            self._defers_logits = True  # llama / qwen3 logits are the plain head of the normed final states
 
     @property
     def row_invariant(self) -> bool:
@@ -107,6 +122,47 @@ class TargetModel:
             probe = torch.zeros(1, 1, dtype=torch.long, device=self.device)
             self.forward(probe, KVCache(device=self.device), defer_logits=True)
         return bool(self._defers_logits)
+
+    def _own_forward_applies(self, cache: KVCache) -> bool:
+        """Whether byblock's decoder forward computes this cache's forward exactly (no KV policy or attention
+        function that hooks transformers' modules: StreamingLLM, H2O, SnapKV, Stem, bf16 row invariance)."""
+        return (
+            self.decoder is not None
+            and cache.window is None
+            and cache.h2o is None
+            and self.h2o is None
+            and self.snapkv is None
+            and self.hf.config._attn_implementation == GQA_SDPA
+        )
+
+    def _own_forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        positions: torch.Tensor,
+        tree_mask: torch.Tensor | None,
+        logits_to_keep: int,
+        hidden_layers: tuple[int, ...],
+        defer_logits: bool,
+    ) -> ForwardOutput:
+        """`forward` through models/decoder.py: the same masks, cache appends and attention kernel."""
+        t = input_ids.shape[1]
+        if tree_mask is None and (t == 1 or cache.length == 0):
+            mask = None  # what transformers' SDPA mask gives: one query, or a causal prefill with no past
+        else:
+            mask = self._segment_masks(cache, positions[0], tree_mask)["full_attention"]
+        cache.record(positions[0])
+
+        def attend(module, q, k, v):
+            k, v = cache.append(module.layer_idx, k, v)
+            return gqa_sdpa_attention_forward(module, q, k, v, mask, scaling=module.scaling)[0]
+
+        assert self.decoder is not None
+        final, layers = self.decoder(input_ids, positions, attend, hidden_layers)
+        hidden = torch.cat([layers[i] for i in hidden_layers], dim=-1) if hidden_layers else None
+        if defer_logits:
+            return ForwardOutput(logits=None, hidden=hidden, final=final)
+        return ForwardOutput(logits=self.head(final[:, -logits_to_keep:] if logits_to_keep else final), hidden=hidden)
 
     @property
     def has_chat_template(self) -> bool:
@@ -233,6 +289,10 @@ class TargetModel:
         if positions is None:
             start = cache.next_position
             positions = torch.arange(start, start + t, device=self.device).expand(bsz, t)
+        if bsz == 1 and attention_mask is None and self._own_forward_applies(cache):
+            return self._own_forward(
+                input_ids, cache, positions, tree_mask, logits_to_keep, hidden_layers, defer_logits
+            )
         mask: object = attention_mask
         if cache.window is not None:
             if bsz != 1 or attention_mask is not None:
@@ -343,7 +403,17 @@ class TargetModel:
         # A prepared 4D mask makes transformers skip building one over the packed rows (attention ignores it).
         skip = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev)
         keep = torch.tensor(logits_rows, dtype=torch.long, device=dev)
-        kwargs = {BATCH_KWARG: PackedBatch(tuple(plan))}
+        batch = PackedBatch(tuple(plan))
+        offsets = tuple(s.start for s in plan)
+        if self.decoder is not None and self.hf.config._attn_implementation == GQA_SDPA:
+
+            def attend(module, q, k, v):
+                return batch.attend(gqa_sdpa_attention_forward, module, q, k, v, scaling=module.scaling)[0]
+
+            final, layers = self.decoder(ids, positions, attend, hidden_layers)
+            hidden = torch.cat([layers[i][0] for i in hidden_layers], dim=-1) if hidden_layers else None
+            return PackedOutput(self.head(final[0, keep]), final[0] if keep_final else None, hidden, offsets)
+        kwargs = {BATCH_KWARG: batch}
         out = self.hf(
             input_ids=ids,
             position_ids=positions,
@@ -357,7 +427,7 @@ class TargetModel:
         if hidden_layers:
             hidden = torch.cat([out.hidden_states[i + 1][0] for i in hidden_layers], dim=-1)
         final = out.hidden_states[-1][0] if keep_final else None
-        return PackedOutput(out.logits[0], final, hidden, tuple(s.start for s in plan))
+        return PackedOutput(out.logits[0], final, hidden, offsets)
 
     def _forward_one(
         self, seg: SegmentInput, logits_rows: list[int], hidden_layers: tuple[int, ...], keep_final: bool

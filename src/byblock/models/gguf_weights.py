@@ -153,6 +153,7 @@ def load_gguf_linears(
     from safetensors.torch import load_file, save_file
 
     cache = cache_dir / CACHE_NAME
+    cache_dir.mkdir(parents=True, exist_ok=True)
     if cache.is_file():
         from safetensors import safe_open
 

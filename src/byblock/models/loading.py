@@ -286,7 +286,8 @@ def _quantize(model, fmt: WeightFormat, source: Path | None, ckpt: Path, kernel)
     n_layers = model.config.get_text_config().num_hidden_layers
     if fmt is WeightFormat.GGUF:
         assert source is not None
-        report = load_gguf_linears(model, source, ckpt, kernel, n_layers)
+        # Beside the checkpoint, never inside it: vLLM and transformers load every *.safetensors they find there.
+        report = load_gguf_linears(model, source, ckpt.with_name(ckpt.name + ".quant"), kernel, n_layers)
         log.info("byblock: %s", report.summary())
         kinds: dict[str, int] = {}
         for kind in report.kept.values():

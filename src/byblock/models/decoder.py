@@ -1,0 +1,200 @@
+"""byblock's own decoder forward for the llama family (llama, qwen3), over the transformers model's own weights.
+
+Why: on a CPU with quantized linears a decode step of SmolLM2-135M is short enough that transformers' per-layer
+Python — module calls, kwargs plumbing, output recording, mask building — costs as much as the matrix work
+(dev/LOG.md, session 24). This forward does the same arithmetic as transformers' modules, op for op (RMSNorm
+as pow / mean / rsqrt / mul, the library's rotary function, SiLU-gated MLP), on the same weights and the same
+attention kernel (kernels/gqa_sdpa.py, per request for packed batches: kernels/ragged.py), with the Python
+of one loop. Its outputs are bitwise transformers' (tests/test_decoder.py), so the HF module path stays the
+reference and a fallback: TargetModel uses this forward only where it applies (fp32, byblock's attention, one
+sequence or a packed batch, no KV policy that hooks attention).
+
+Fusion: the q / k / v projections run as one linear, and gate / up as one, when the linears are byblock's
+row-invariant kernels (each output is computed on its own, so a fused call gives every output bitwise what the
+separate calls give); the fused weights are views shared with the original modules, not copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from byblock.kernels.gqa_sdpa import NAME as GQA_SDPA
+from byblock.kernels.packed_gemm import PackedLinear
+from byblock.kernels.quant_gemm import PANEL, QuantLinear, QuantWeight
+
+ARCHITECTURES = frozenset({"llama", "qwen3"})
+
+# attend(attention module, q [B, H, T, D], k / v [B, Hkv, T, D] of the new rows) -> [B, T, H, D]
+Attend = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm in fp32 (weight * (x * rsqrt(mean(x^2) + eps))) as torch's one fused op: bitwise
+    the same values on the CPU (tests/test_decoder.py checks), one dispatch instead of six."""
+    return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary embedding on [B, H, T, D] (`x * cos + rotate_half(x) * sin`), op for op."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+def _fuse(linears: list[nn.Module]) -> nn.Module | None:
+    """One linear computing `linears`' outputs side by side, sharing their storage; None where they are not all
+    byblock kernels of one kind with panel-aligned sizes (then the caller keeps calling them one by one)."""
+    if any(getattr(m, "bias", None) is not None for m in linears):
+        return None
+    if all(isinstance(m, QuantLinear) for m in linears):
+        first = linears[0]
+        if len({m.bits for m in linears}) != 1 or any(m.out_features % PANEL for m in linears[:-1]):
+            return None
+        parts = [m.qweight for m in linears]
+        minv = None if first.bits == 8 else torch.cat([p.minv for p in parts])
+        fused = QuantWeight(
+            first.bits,
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            minv,
+            sum(m.out_features for m in linears),
+        )
+        start = 0
+        for m in linears:  # the separate modules become views of the fused storage: no second copy
+            panels = slice(start, start + m.q.shape[0])
+            m.q, m.scale = fused.q[panels], fused.scale[panels]
+            if minv is not None:
+                m.minv = fused.minv[panels]
+            start += m.q.shape[0]
+        return QuantLinear(fused, None, first.kernel)
+    if all(isinstance(m, PackedLinear) for m in linears):
+        first = linears[0]
+        if any(m.in_features != first.in_features or m.out_features % PANEL for m in linears[:-1]):
+            return None
+        fused = PackedLinear.__new__(PackedLinear)
+        nn.Module.__init__(fused)
+        fused.out_features = sum(m.out_features for m in linears)
+        fused.in_features, fused.kernel, fused.bias = first.in_features, first.kernel, None
+        fused.packed = nn.Parameter(torch.cat([m.packed.data for m in linears]), requires_grad=False)
+        start = 0
+        for m in linears:
+            n = m.packed.numel()
+            m.packed = nn.Parameter(fused.packed.data[start : start + n], requires_grad=False)
+            start += n
+        return fused
+    return None
+
+
+@dataclass(frozen=True)
+class _Layer:
+    attn: nn.Module  # transformers' attention module: layer_idx, scaling, config for the attention kernel
+    mlp: nn.Module
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None  # qwen3's per-head norms
+    k_norm: torch.Tensor | None
+    qkv: nn.Module | None  # fused q / k / v, or None: the three projections
+    gate_up: nn.Module | None
+    q_size: int
+    kv_size: int
+    inter: int
+
+
+class DecoderForward:
+    """The decoder stack of a llama-family transformers model as one Python loop over its own modules."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        cfg = hf_model.config
+        base = hf_model.model
+        self.config = cfg
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.norm_weight = base.norm.weight
+        self.eps = float(cfg.rms_norm_eps)
+        self.layer_types = getattr(cfg, "layer_types", None)
+        self.layers = []
+        for layer in base.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qn = getattr(a, "q_norm", None)
+            kn = getattr(a, "k_norm", None)
+            self.layers.append(
+                _Layer(
+                    attn=a,
+                    mlp=mlp,
+                    in_norm=layer.input_layernorm.weight,
+                    post_norm=layer.post_attention_layernorm.weight,
+                    q_norm=None if qn is None else qn.weight,
+                    k_norm=None if kn is None else kn.weight,
+                    qkv=_fuse([a.q_proj, a.k_proj, a.v_proj]),
+                    gate_up=_fuse([mlp.gate_proj, mlp.up_proj]),
+                    q_size=a.q_proj.out_features,
+                    kv_size=a.k_proj.out_features,
+                    inter=mlp.gate_proj.out_features,
+                )
+            )
+        self.head_dim = self.layers[0].attn.head_dim
+
+    @staticmethod
+    def supports(hf_model: nn.Module) -> bool:
+        """Whether this forward reproduces `hf_model` exactly: a llama / qwen3 causal LM in fp32 on byblock's
+        attention kernel, SiLU MLP, no sliding-window layers."""
+        cfg = getattr(hf_model, "config", None)
+        if cfg is None or getattr(cfg, "model_type", None) not in ARCHITECTURES:
+            return False
+        if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "_attn_implementation", None) != GQA_SDPA:
+            return False
+        if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
+            return False
+        first = next(hf_model.parameters())
+        return first.dtype == torch.float32 and hasattr(hf_model, "model") and hasattr(hf_model.model, "rotary_emb")
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, hidden_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """input_ids / positions [B, T] -> (the final normed states [B, T, H], {layer: its output} for
+        `hidden_layers`, with transformers' indexing: the last layer's entry is the normed output)."""
+        h = self.embed(input_ids)
+        b, t = input_ids.shape
+        cos, sin = self.rotary(h, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, D]: broadcast over heads, once per forward
+        hd, eps = self.head_dim, self.eps
+        hidden: dict[int, torch.Tensor] = {}
+        last = len(self.layers) - 1
+        for i, L in enumerate(self.layers):
+            x = _rms(h, L.in_norm, eps)
+            a = L.attn
+            if L.qkv is not None and L.q_norm is None:
+                # One rotary pass over q and k side by side: the rotation is elementwise per head, so each head
+                # gets bitwise what two separate calls give, for half the dispatches.
+                qkv = L.qkv(x).view(b, t, -1, hd)
+                nq = L.q_size // hd
+                qk = rotate(qkv[:, :, : nq + L.kv_size // hd].transpose(1, 2), cos, sin)
+                q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, :, nq + L.kv_size // hd :].transpose(1, 2)
+            else:
+                if L.qkv is not None:
+                    q, k, v = L.qkv(x).split((L.q_size, L.kv_size, L.kv_size), dim=-1)
+                else:
+                    q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+                q, k, v = q.view(b, t, -1, hd), k.view(b, t, -1, hd), v.view(b, t, -1, hd)
+                if L.q_norm is not None:
+                    q, k = _rms(q, L.q_norm, eps), _rms(k, L.k_norm, eps)
+                q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
+                v = v.transpose(1, 2)
+            out = attend(a, q, k, v)
+            h = h + a.o_proj(out.reshape(b, t, -1))
+            x = _rms(h, L.post_norm, eps)
+            if L.gate_up is not None:
+                gate, up = L.gate_up(x).split((L.inter, L.inter), dim=-1)
+            else:
+                gate, up = L.mlp.gate_proj(x), L.mlp.up_proj(x)
+            h = h + L.mlp.down_proj(F.silu(gate) * up)
+            if i in hidden_layers and i != last:
+                hidden[i] = h
+        final = _rms(h, self.norm_weight, eps)
+        if last in hidden_layers:
+            hidden[last] = final
+        return final, hidden

@@ -1,0 +1,93 @@
+"""byblock's own decoder forward (models/decoder.py) against transformers' modules: bitwise the same logits,
+hidden states and KV caches for prefills, plain steps, verify chains, trees and packed batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import make_target
+
+from byblock.models.adapter import SegmentInput, TargetModel
+from byblock.models.decoder import DecoderForward
+
+VARIANTS = ["llama-packed", "qwen3-packed", "llama-int4", "qwen3-int8", "llama-library"]
+
+
+def pair(variant: str) -> tuple[TargetModel, TargetModel]:
+    """(own forward, transformers' modules) over one model."""
+    arch, _, linears = variant.partition("-")
+    weights = linears if linears.startswith("int") else None
+    ours = make_target(arch, packed=linears == "packed", weights=weights)
+    if linears == "library":  # library fp32 linears, byblock's attention kernel
+        from byblock.kernels.gqa_sdpa import enable_gqa_sdpa
+
+        enable_gqa_sdpa(ours.hf)
+        ours = TargetModel(ours.hf, ours.tokenizer, name=ours.name)
+    assert ours.decoder is not None
+    return ours, TargetModel(ours.hf, ours.tokenizer, name=ours.name, own_forward=False)
+
+
+def same_caches(a, b) -> None:
+    assert a.length == b.length and torch.equal(a.pos, b.pos)
+    for la, lb in zip(a.hf.layers, b.hf.layers, strict=True):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@torch.inference_mode()
+def test_own_forward_is_bitwise_transformers(variant):
+    ours, ref = pair(variant)
+    ca, cb = ours.new_cache(), ref.new_cache()
+    layers = (0, 1)  # DFlash reads these; the last one is transformers' normed output
+    steps = [
+        dict(input_ids=torch.tensor([[5, 17, 33, 9, 2, 40, 41]])),  # prefill
+        dict(input_ids=torch.tensor([[7]])),  # plain step
+        dict(input_ids=torch.tensor([[8, 9, 10, 11]])),  # verify chain
+        dict(  # a tree: root, two children, a grandchild
+            input_ids=torch.tensor([[12, 13, 14, 15]]),
+            positions=torch.tensor([[12, 13, 13, 14]]),
+            tree_mask=torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool),
+        ),
+    ]
+    for kwargs in steps:
+        a = ours.forward(cache=ca, hidden_layers=layers, **kwargs)
+        b = ref.forward(cache=cb, hidden_layers=layers, **kwargs)
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
+        same_caches(ca, cb)
+    assert ref.defers_logits()  # transformers' path checks it once on a probe
+    a = ours.forward(torch.tensor([[3]]), ca, defer_logits=True)
+    b = ref.forward(torch.tensor([[3]]), cb, defer_logits=True)
+    assert torch.equal(a.final, b.final)
+
+
+@pytest.mark.parametrize("variant", ["llama-packed", "qwen3-int4"])
+@torch.inference_mode()
+def test_own_packed_forward_is_bitwise_transformers(variant):
+    ours, ref = pair(variant)
+    caches = {m: [m.new_cache(), m.new_cache()] for m in (ours, ref)}
+    outs = {}
+    for m, (c0, c1) in caches.items():
+        m.forward(torch.tensor([[5, 6, 7]]), c1)  # one sequence already has a past
+        segs = [SegmentInput(c0, [1, 2, 3, 4]), SegmentInput(c1, [8, 9])]
+        outs[m] = m.forward_packed(segs, [3, 4, 5], hidden_layers=(0,), keep_final=True)
+    a, b = outs[ours], outs[ref]
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.final, b.final) and torch.equal(a.hidden, b.hidden)
+    for ca, cb in zip(caches[ours], caches[ref], strict=True):
+        same_caches(ca, cb)
+
+
+def test_unsupported_models_keep_transformers_modules():
+    gemma = make_target("gemma3", packed=True)  # sliding-window layers: not this forward's
+    assert gemma.decoder is None
+    bf16 = make_target("llama", dtype=torch.bfloat16)
+    assert not DecoderForward.supports(bf16.hf)
+    plain = make_target("llama")  # transformers' own sdpa attention: the decoder would not match it
+    assert plain.decoder is None
+
+
+def test_fused_projections_share_storage():
+    ours, _ = pair("llama-int4")
+    layer = ours.decoder.layers[0]
+    assert layer.qkv is not None and layer.gate_up is not None
+    q = layer.attn.q_proj
+    assert q.q.untyped_storage().data_ptr() == layer.qkv.q.untyped_storage().data_ptr()
