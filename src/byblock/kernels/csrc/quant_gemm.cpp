@@ -1,23 +1,31 @@
 // y = x W^T (+ b) with W kept quantized (weight-only int4 / int8 in groups of 32 along K), x and y in fp32.
 //
 // Why: decoding a small model on a CPU streams every weight once per forward. fp32 weights are 4 bytes each;
-// the GGUF the user gave us is 0.56-1.06 bytes. Keeping the file's blocks (Q4_0, Q4_1, Q4_K, Q8_0) and
-// de-quantizing them in registers streams 4-7x fewer bytes, and a small model's weights then fit in L3.
+// the GGUF the user gave us is 0.56-1.06 bytes. Keeping the file's blocks (Q4_0, Q4_1, Q4_K, Q8_0) streams
+// 4-7x fewer bytes, and a small model's weights then fit in L3.
 //
 // Layout: outputs in panels of 16 (one AVX-512 register, two AVX2 ones); for each panel and group of 32 inputs,
 //   int4: 16 pairs of inputs (k, k+1) x 16 outputs, one byte each: input k in the low nibble, k+1 in the high;
 //   int8: 32 inputs x 16 outputs, one byte each;
 //   scale (and for int4 min) per output and group, fp32: w = scale * q + min (int4, q in 0..15), w = scale * q
 //   (int8, q in -128..127). Q4_0 (min = -8 d), Q4_1, Q4_K (scale = d * sc, min = -dmin * m) and Q8_0 map onto
-//   it with the exact values the GGUF de-quantizer gives: the de-quantization here is a multiply then an add
-//   (built with -ffp-contract=off), so the weights used are bitwise the de-quantized checkpoint's.
+//   it with the exact values the GGUF de-quantizer gives.
 //
-// Row invariance, as in packed_gemm.cpp: each output lane sums x[k] w[k] over k in order in two FMA chains
-// (even k, odd k) added at the end, whatever the number of rows or the tile that computes it. Lanes never mix,
-// so the AVX2 and AVX-512 builds give bitwise the same result too. One row de-quantizes each weight once; more
-// rows share each de-quantized vector (up to 8 rows per pass), which is what makes a k-token verify cheap.
+// The sum is factored per group, as llama.cpp's is: sum_k x_k (s q_k + m) = s (sum_k x_k q_k) + m (sum_k x_k).
+// The inner loop is then one FMA per weight and row on the integer code converted to float; the scale, the min
+// and the row's group sum (computed once per row, in order) enter once per group. That is a different rounding
+// from de-quantizing each weight first, so the result matches the de-quantized reference to fp32 tolerance,
+// not bitwise (tests/test_quant_gemm.py); what losslessness needs is the next property.
+//
+// Row invariance, as in packed_gemm.cpp: each output lane sums over k in order in two FMA chains per group
+// (even k, odd k), added and folded into the total group by group, whatever the number of rows or the tile that
+// computes it. Lanes never mix, so the AVX2 and AVX-512 builds give bitwise the same result too (built with
+// -ffp-contract=off, so the scalar group sums are the same code in both). More rows share each converted weight
+// vector (up to 8 rows per pass), which is what makes a k-token verify cheap.
 #include <immintrin.h>
 #include <stdint.h>
+
+#include <vector>
 
 namespace {
 
@@ -32,18 +40,15 @@ inline V vzero() { return _mm512_setzero_ps(); }
 inline V vbcast(const float* p) { return _mm512_set1_ps(*p); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vload(const float* p) { return _mm512_loadu_ps(p); }
-inline V vaffine(__m128i bytes16, V s, V m) {  // 16 unsigned bytes -> s * q + m
-  return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16)), s), m);
-}
-inline V vscale_i8(__m128i bytes16, V s) { return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16)), s); }
-inline void vstore(float* y, V a, V b, const float* bias, int n) {
-  V s = _mm512_add_ps(a, b);
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline void vstore(float* y, const V* t, const float* bias, int n) {
+  V s = t[0];
   if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), bias));
   _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << n) - 1), s);
 }
-// One panel's 16 lanes as HALVES registers.
-inline void affine16(__m128i q, const V* s, const V* m, V* w) { w[0] = vaffine(q, s[0], m[0]); }
-inline void scale16_i8(__m128i q, const V* s, V* w) { w[0] = vscale_i8(q, s[0]); }
+// One panel's 16 codes as HALVES float registers.
+inline void u8x16(__m128i q, V* w) { w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)); }
+inline void i8x16(__m128i q, V* w) { w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
 #else
 constexpr int HALVES = 2;
 constexpr int MAX_ROWS = 2;
@@ -52,79 +57,78 @@ inline V vzero() { return _mm256_setzero_ps(); }
 inline V vbcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
-inline V vaffine(__m128i bytes8, V s, V m) {  // the low 8 unsigned bytes -> s * q + m
-  return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8)), s), m);
-}
-inline V vscale_i8(__m128i bytes8, V s) { return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8)), s); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
 inline void vstore8(float* y, V s, const float* bias, int n) {
   alignas(32) float t[8];
   _mm256_store_ps(t, s);
   for (int j = 0; j < n; ++j) y[j] = t[j] + (bias ? bias[j] : 0.f);
 }
-inline void vstore(float* y, const V* a, const V* b, const float* bias, int n) {
-  vstore8(y, _mm256_add_ps(a[0], b[0]), bias, n < 8 ? n : 8);
-  if (n > 8) vstore8(y + 8, _mm256_add_ps(a[1], b[1]), bias ? bias + 8 : nullptr, n - 8);
+inline void vstore(float* y, const V* t, const float* bias, int n) {
+  vstore8(y, t[0], bias, n < 8 ? n : 8);
+  if (n > 8) vstore8(y + 8, t[1], bias ? bias + 8 : nullptr, n - 8);
 }
-inline void affine16(__m128i q, const V* s, const V* m, V* w) {
-  w[0] = vaffine(q, s[0], m[0]);
-  w[1] = vaffine(_mm_srli_si128(q, 8), s[1], m[1]);
+inline void u8x16(__m128i q, V* w) {
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
 }
-inline void scale16_i8(__m128i q, const V* s, V* w) {
-  w[0] = vscale_i8(q, s[0]);
-  w[1] = vscale_i8(_mm_srli_si128(q, 8), s[1]);
+inline void i8x16(__m128i q, V* w) {
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
 }
 #endif
 constexpr int LANES = W / HALVES;
 
-// The weights of two consecutive inputs (k even, k + 1) for one panel, de-quantized.
+// The integer codes of two consecutive inputs (k even, k + 1) for one panel, as floats.
 struct Int4 {
   static constexpr int PAIR_BYTES = W;       // 16 bytes hold both inputs
   static constexpr int GROUP_BYTES = 16 * W;  // 16 pairs
-  static inline void pair(const uint8_t* q, const V* s, const V* m, V* even, V* odd) {
+  static constexpr bool HAS_MIN = true;
+  static inline void pair(const uint8_t* q, V* even, V* odd) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
     const __m128i mask = _mm_set1_epi8(0x0F);
-    affine16(_mm_and_si128(b, mask), s, m, even);
-    affine16(_mm_and_si128(_mm_srli_epi16(b, 4), mask), s, m, odd);
+    u8x16(_mm_and_si128(b, mask), even);
+    u8x16(_mm_and_si128(_mm_srli_epi16(b, 4), mask), odd);
   }
 };
 
 struct Int8 {
   static constexpr int PAIR_BYTES = 2 * W;
   static constexpr int GROUP_BYTES = 32 * W;
-  static inline void pair(const uint8_t* q, const V* s, const V*, V* even, V* odd) {
-    scale16_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), s, even);
-    scale16_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + W)), s, odd);
+  static constexpr bool HAS_MIN = false;
+  static inline void pair(const uint8_t* q, V* even, V* odd) {
+    i8x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), even);
+    i8x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + W)), odd);
   }
 };
 
-// MR rows x NP panels over all K. acc[r][p][0] sums even inputs, acc[r][p][1] odd ones (HALVES registers each).
+// MR rows x NP panels over all K. Per group, acc[r][p][0] sums x q over even inputs, acc[r][p][1] over odd ones
+// (HALVES registers each); tot[r][p] takes s * (even + odd) + m * xsum at the group's end.
 template <class Q, int MR, int NP>
-void tile(const float* __restrict x, int64_t K, const uint8_t* __restrict q, const float* __restrict scale,
-          const float* __restrict minv, int64_t panel_stride, float* y, int64_t ldy, const float* bias,
-          int64_t n_left) {
+void tile(const float* __restrict x, int64_t K, const float* __restrict xsum, const uint8_t* __restrict q,
+          const float* __restrict scale, const float* __restrict minv, int64_t panel_stride, float* y, int64_t ldy,
+          const float* bias, int64_t n_left) {
   const int64_t G = K / GROUP;
-  V acc[MR][NP][2][HALVES];
+  V tot[MR][NP][HALVES];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int p = 0; p < NP; ++p)
 #pragma GCC unroll 2
-      for (int h = 0; h < HALVES; ++h) acc[r][p][0][h] = acc[r][p][1][h] = vzero();
+      for (int h = 0; h < HALVES; ++h) tot[r][p][h] = vzero();
   for (int64_t g = 0; g < G; ++g) {
-    V s[NP][HALVES], m[NP][HALVES];
+    V acc[MR][NP][2][HALVES];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p)
+      for (int p = 0; p < NP; ++p)
 #pragma GCC unroll 2
-      for (int h = 0; h < HALVES; ++h) {
-        s[p][h] = vload(scale + p * G * W + g * W + h * LANES);
-        m[p][h] = minv ? vload(minv + p * G * W + g * W + h * LANES) : vzero();
-      }
+        for (int h = 0; h < HALVES; ++h) acc[r][p][0][h] = acc[r][p][1][h] = vzero();
     for (int i = 0; i < GROUP / 2; ++i) {
       const int64_t k = g * GROUP + 2 * i;
 #pragma GCC unroll 4
       for (int p = 0; p < NP; ++p) {
         V even[HALVES], odd[HALVES];
-        Q::pair(q + p * panel_stride + g * Q::GROUP_BYTES + i * Q::PAIR_BYTES, s[p], m[p], even, odd);
+        Q::pair(q + p * panel_stride + g * Q::GROUP_BYTES + i * Q::PAIR_BYTES, even, odd);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
           const V xe = vbcast(x + r * K + k), xo = vbcast(x + r * K + k + 1);
@@ -136,6 +140,18 @@ void tile(const float* __restrict x, int64_t K, const uint8_t* __restrict q, con
         }
       }
     }
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 2
+      for (int h = 0; h < HALVES; ++h) {
+        const V s = vload(scale + p * G * W + g * W + h * LANES);
+        const V m = Q::HAS_MIN ? vload(minv + p * G * W + g * W + h * LANES) : vzero();
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          tot[r][p][h] = vfma(vadd(acc[r][p][0][h], acc[r][p][1][h]), s, tot[r][p][h]);
+          if constexpr (Q::HAS_MIN) tot[r][p][h] = vfma(m, vbcast(xsum + r * G + g), tot[r][p][h]);
+        }
+      }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
@@ -144,21 +160,17 @@ void tile(const float* __restrict x, int64_t K, const uint8_t* __restrict q, con
       const int64_t left = n_left - p * W;
       if (left <= 0) break;
       const int n = static_cast<int>(left < W ? left : W);
-#ifdef __AVX512F__
-      vstore(y + r * ldy + p * W, acc[r][p][0][0], acc[r][p][1][0], bias ? bias + p * W : nullptr, n);
-#else
-      vstore(y + r * ldy + p * W, acc[r][p][0], acc[r][p][1], bias ? bias + p * W : nullptr, n);
-#endif
+      vstore(y + r * ldy + p * W, tot[r][p], bias ? bias + p * W : nullptr, n);
     }
 }
 
 template <class Q, int MR>
-void rows_pass(const float* x, int64_t K, const uint8_t* q, const float* scale, const float* minv, int64_t stride,
-               float* y, int64_t ldy, const float* bias, int64_t n_left, int64_t rows) {
+void rows_pass(const float* x, int64_t K, const float* xsum, const uint8_t* q, const float* scale, const float* minv,
+               int64_t stride, float* y, int64_t ldy, const float* bias, int64_t n_left, int64_t rows) {
   if constexpr (MR > 1) {
-    if (rows < MR) return rows_pass<Q, MR - 1>(x, K, q, scale, minv, stride, y, ldy, bias, n_left, rows);
+    if (rows < MR) return rows_pass<Q, MR - 1>(x, K, xsum, q, scale, minv, stride, y, ldy, bias, n_left, rows);
   }
-  tile<Q, MR, 1>(x, K, q, scale, minv, stride, y, ldy, bias, n_left);
+  tile<Q, MR, 1>(x, K, xsum, q, scale, minv, stride, y, ldy, bias, n_left);
 }
 
 template <class Q>
@@ -168,6 +180,16 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
   const int64_t P = (N + W - 1) / W;
   const int64_t stride = G * Q::GROUP_BYTES;  // one panel's bytes
   constexpr int NP1 = 4 / HALVES;  // panels per tile for one row: eight FMA chains
+  // Each row's sum per group, in order (the same scalar code in every build and for every row count).
+  std::vector<float> sums(Q::HAS_MIN ? M * G : 0);
+  if (Q::HAS_MIN)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        float t = 0.f;
+        for (int k = 0; k < GROUP; ++k) t += x[r * K + g * GROUP + k];
+        sums[r * G + g] = t;
+      }
+  const float* xs = sums.data();
   if (M == 1) {
     const int64_t tiles = (P + NP1 - 1) / NP1;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
@@ -178,10 +200,10 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
       const float* mp = minv ? minv + p * G * W : nullptr;
       const float* bp = bias ? bias + p * W : nullptr;
       if (p + NP1 <= P)
-        tile<Q, 1, NP1>(x, K, qp, sp, mp, stride, y + p * W, N, bp, N - p * W);
+        tile<Q, 1, NP1>(x, K, xs, qp, sp, mp, stride, y + p * W, N, bp, N - p * W);
       else
         for (int64_t e = p; e < P; ++e)
-          tile<Q, 1, 1>(x, K, q + e * stride, scale + e * G * W, minv ? minv + e * G * W : nullptr, stride,
+          tile<Q, 1, 1>(x, K, xs, q + e * stride, scale + e * G * W, minv ? minv + e * G * W : nullptr, stride,
                         y + e * W, N, bias ? bias + e * W : nullptr, N - e * W);
     }
     return;
@@ -194,8 +216,9 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
     int64_t r = 0;
     for (int64_t pass = 0; pass < passes; ++pass) {
       const int64_t rows = (M - r + passes - pass - 1) / (passes - pass);
-      rows_pass<Q, MAX_ROWS>(x + r * K, K, q + p * stride, scale + p * G * W, minv ? minv + p * G * W : nullptr,
-                             stride, y + r * N + p * W, N, bias ? bias + p * W : nullptr, N - p * W, rows);
+      rows_pass<Q, MAX_ROWS>(x + r * K, K, xs + (Q::HAS_MIN ? r * G : 0), q + p * stride, scale + p * G * W,
+                             minv ? minv + p * G * W : nullptr, stride, y + r * N + p * W, N,
+                             bias ? bias + p * W : nullptr, N - p * W, rows);
       r += rows;
     }
   }
