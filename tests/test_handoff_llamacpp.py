@@ -115,9 +115,12 @@ def test_shipped_drafter_exports_with_its_draft_vocabulary(tmp_path):
 @pytest.mark.skipif(not os.environ.get("BYBLOCK_LLAMA_SERVER"), reason="set BYBLOCK_LLAMA_SERVER to a llama-server")
 def test_llama_server_drafts_with_the_export(tmp_path):
     real_model_or_skip()
-    cmd = [*CLI, "bench", "--methods", "ar,llamacpp-dflash", "--limit", "2", "--max-new-tokens", "32"]
+    cmd = [*CLI, "bench", "--methods", "ar,llamacpp,llamacpp-dflash,llamacpp-lookup", "--limit", "2"]
+    cmd += ["--max-new-tokens", "32"]
     cmd += ["--no-plots", "--quiet", "--out", str(tmp_path / "out")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads((tmp_path / "out" / "report.json").read_text())["datasets"]["dev"]["methods"]
     assert rows["llamacpp-dflash"]["tau"] > 1.2  # it loaded the drafter and accepted its tokens
+    # llama.cpp's drafting is lossless against its own plain decoding
+    assert rows["llamacpp-lookup"]["mismatched_vs_engine"] == rows["llamacpp-dflash"]["mismatched_vs_engine"] == 0

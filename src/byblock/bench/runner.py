@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from byblock.bench.datasets import Prompt
-from byblock.bench.methods import MethodRunner, TurnResult
+from byblock.bench.methods import MethodRunner, TurnResult, engine_plain
 from byblock.models.adapter import TargetModel
 from byblock.sampling.params import SamplingParams
 
@@ -158,7 +158,7 @@ def run_dataset(
         if not params.greedy:
             continue
         for name in names:
-            plain = name.partition("-dflash")[0]  # vllm-dflash → vllm, llamacpp-dflash → llamacpp
+            plain = engine_plain(name)  # a peer's drafting is also checked against the same engine's plain output
             refs = [reference] + ([plain] if plain != name and plain in outputs else [])
             for ref_name in refs:
                 if name == ref_name:

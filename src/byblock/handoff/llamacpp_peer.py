@@ -36,6 +36,9 @@ def find_llama_server(explicit: str | None = None) -> Path:
     return Path(text).expanduser().absolute()
 
 
+LOOKUP_NGRAM = 3
+
+
 @dataclass(frozen=True)
 class LlamaCppConfig:
     """What llama-server loads."""
@@ -44,6 +47,7 @@ class LlamaCppConfig:
     draft_gguf: str | None = None  # byblock export --format llamacpp; None = plain
     k: int = 15  # --spec-draft-n-max
     slots: int = 1  # -np: concurrent sequences
+    lookup_k: int = 0  # > 0: llama.cpp's prompt lookup (ngram-simple) drafting this many tokens; needs no draft
     ctx_per_slot: int = 2048
     threads: int = os.cpu_count() or 1
 
@@ -75,6 +79,10 @@ class LlamaCppPeer:
         argv += ["-t", str(cfg.threads), "-np", str(cfg.slots), "-c", str(cfg.ctx_per_slot * cfg.slots)]
         if cfg.draft_gguf:
             argv += ["-md", cfg.draft_gguf, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(cfg.k)]
+        elif cfg.lookup_k:
+            # n-grams of 3, as byblock's ngram drafter matches (llama.cpp's default, 12, rarely matches in chat)
+            argv += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(LOOKUP_NGRAM)]
+            argv += ["--spec-ngram-simple-size-m", str(cfg.lookup_k)]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="byblock-llamacpp-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
         end = time.monotonic() + START_TIMEOUT_S
