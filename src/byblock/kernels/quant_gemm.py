@@ -1,11 +1,12 @@
-"""Weight-only int4 / int8 linears: the weights stay quantized in memory and are de-quantized in registers.
+"""Weight-only int4 / int8 linears: the weights stay quantized in memory, converted to float in registers.
 
 A decoding step on a CPU streams every weight once, so bytes per weight set the speed: fp32 is 4 bytes, the
 built-in SmolLM2 GGUF 0.6 (Q4_1) and its embedding 1.06 (Q8_0). `csrc/quant_gemm.cpp` keeps groups of 32
 inputs per output in one of two layouts (int4: nibbles + an fp32 scale and min per group; int8: bytes + an fp32
-scale), de-quantizes them with a multiply and an add (bitwise the GGUF de-quantizer's values) and accumulates
-in fp32 against fp32 activations. Like the packed fp32 GEMM it is row-invariant: each output is one fixed
-sequence of FMAs whatever the number of rows, so speculative decoding stays bitwise lossless on it.
+scale; the values are bitwise the GGUF de-quantizer's) and sums each group factored, s·Σ x q + m·Σ x (the order
+llama.cpp uses), in fp32 against fp32 activations: equal to the de-quantized weight's product to fp32 tolerance.
+Like the packed fp32 GEMM it is row-invariant: each output is one fixed sequence of FMAs whatever the number of
+rows, so speculative decoding stays bitwise lossless on it.
 
 Sources of the quantized blocks: a GGUF's own Q4_0 / Q4_1 / Q4_K / Q8_0 tensors (models/gguf_weights.py, exact)
 or byblock's round-to-nearest quantizer over float weights (`quantize`, for `--weights int8|int4` from a float
@@ -168,7 +169,7 @@ class QuantWeight:
         return v[:n], per_output(self.scale), None if self.minv is None else per_output(self.minv)
 
     def dequantize(self) -> torch.Tensor:
-        """The fp32 weight [N, K] this layout stands for (the kernel's values, bitwise)."""
+        """The fp32 weight [N, K] this layout stands for (s·q + m, bitwise the GGUF de-quantizer's values)."""
         v, scale, minv = self.values()
         groups = v.float().reshape(self.out_features, -1, GROUP) * scale[..., None]
         if minv is not None:
