@@ -123,16 +123,21 @@ class TargetModel:
             self.forward(probe, KVCache(device=self.device), defer_logits=True)
         return bool(self._defers_logits)
 
+    @property
+    def _decoder_runs(self) -> bool:
+        """Whether byblock's decoder forward can run now: it exists and attention is still byblock's kernel (Stem
+        and the bf16 row-invariant attention swap transformers' attention function)."""
+        return self.decoder is not None and self.hf.config._attn_implementation == GQA_SDPA
+
     def _own_forward_applies(self, cache: KVCache) -> bool:
-        """Whether byblock's decoder forward computes this cache's forward exactly (no KV policy or attention
-        function that hooks transformers' modules: StreamingLLM, H2O, SnapKV, Stem, bf16 row invariance)."""
+        """Whether byblock's decoder forward computes this cache's forward exactly (no KV policy that hooks
+        transformers' modules: StreamingLLM, H2O, SnapKV)."""
         return (
-            self.decoder is not None
+            self._decoder_runs
             and cache.window is None
             and cache.h2o is None
             and self.h2o is None
             and self.snapkv is None
-            and self.hf.config._attn_implementation == GQA_SDPA
         )
 
     def _own_forward(
@@ -405,7 +410,7 @@ class TargetModel:
         keep = torch.tensor(logits_rows, dtype=torch.long, device=dev)
         batch = PackedBatch(tuple(plan))
         offsets = tuple(s.start for s in plan)
-        if self.decoder is not None and self.hf.config._attn_implementation == GQA_SDPA:
+        if self._decoder_runs:
 
             def attend(module, q, k, v):
                 return batch.attend(gqa_sdpa_attention_forward, module, q, k, v, scaling=module.scaling)[0]

@@ -2,8 +2,8 @@
 
 Why: on a CPU with quantized linears a decode step of SmolLM2-135M is short enough that transformers' per-layer
 Python — module calls, kwargs plumbing, output recording, mask building — costs as much as the matrix work
-(dev/LOG.md, session 24). This forward does the same arithmetic as transformers' modules, op for op (RMSNorm
-as pow / mean / rsqrt / mul, the library's rotary function, SiLU-gated MLP), on the same weights and the same
+(dev/LOG.md, session 24). This forward does the same arithmetic as transformers' modules (RMSNorm as torch's
+fused op, bitwise the module's composition; rotary op for op; SiLU-gated MLP), on the same weights and the same
 attention kernel (kernels/gqa_sdpa.py, per request for packed batches: kernels/ragged.py), with the Python
 of one loop. Its outputs are bitwise transformers' (tests/test_decoder.py), so the HF module path stays the
 reference and a fallback: TargetModel uses this forward only where it applies (fp32, byblock's attention, one
@@ -110,12 +110,10 @@ class DecoderForward:
     def __init__(self, hf_model: nn.Module) -> None:
         cfg = hf_model.config
         base = hf_model.model
-        self.config = cfg
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.norm_weight = base.norm.weight
         self.eps = float(cfg.rms_norm_eps)
-        self.layer_types = getattr(cfg, "layer_types", None)
         self.layers = []
         for layer in base.layers:
             a, mlp = layer.self_attn, layer.mlp

@@ -153,7 +153,6 @@ def load_gguf_linears(
     from safetensors.torch import load_file, save_file
 
     cache = cache_dir / CACHE_NAME
-    cache_dir.mkdir(parents=True, exist_ok=True)
     if cache.is_file():
         from safetensors import safe_open
 
@@ -173,6 +172,7 @@ def load_gguf_linears(
         if w.minv is not None:
             tensors[f"{name}.minv"] = w.minv
         kept[name] = (kind, w.bits, w.out_features)
+    cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
     save_file(tensors, str(tmp), metadata={"byblock": json.dumps({"kept": kept, "skipped": report.skipped})})
     os.replace(tmp, cache)  # atomic: a killed run never leaves half a cache
