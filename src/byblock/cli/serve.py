@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 
@@ -31,7 +32,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-candidates", type=int, default=1, help="ngram: continuations merged into a tree")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-tokens", type=int, default=512, help="default max_tokens of chat requests")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="default max_tokens of chat requests (default: the rest of the context)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("BYBLOCK_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize (default: $BYBLOCK_API_KEY)",
+    )
     parser.add_argument("--max-tokens-limit", type=int, default=4096, help="larger max_tokens is a 400 error")
     parser.add_argument(
         "--engine",
@@ -82,8 +93,10 @@ def run(args: argparse.Namespace) -> int:
     resolve_placement(args)
     from byblock.server.app import ServerConfig, create_app
 
-    if args.max_tokens < 1 or args.max_tokens_limit < args.max_tokens:
+    if args.max_tokens is not None and not 1 <= args.max_tokens <= args.max_tokens_limit:
         raise ByblockError("need 1 <= --max-tokens <= --max-tokens-limit")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ByblockError("--api-key must not be empty")
     if args.max_queue < 0:
         raise ByblockError("--max-queue must be >= 0")
     batch = _batch_config(args)
@@ -102,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         default_max_tokens=args.max_tokens,
         max_tokens_limit=args.max_tokens_limit,
         max_pending=running + args.max_queue,
+        api_key=args.api_key,
     )
     app = create_app(model, core, config, engine_thread=False)
     sys.stderr.write(
@@ -151,7 +165,7 @@ def _dllm_core(args: argparse.Namespace):
     if args.drafter:
         raise ByblockError("--drafter is for autoregressive models; diffusion models take --sampler")
     loaded = load_dllm(args.model, dtype=DTYPES[args.dtype], device=args.device)
-    cfg = dllm_config(args, loaded, max_new_tokens=args.max_tokens)
+    cfg = dllm_config(args, loaded, max_new_tokens=args.max_tokens or 512)
     tokenizing = TargetModel(loaded.denoiser.hf, loaded.tokenizer, name=args.model)  # the handlers' tokenizer view
     return tokenizing, DllmEngineCore(loaded.denoiser, loaded.tokenizer, loaded.eos_token_ids, cfg), "none"
 

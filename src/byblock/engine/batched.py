@@ -77,18 +77,18 @@ class BatchedEngineCore:
                 raise ByblockError(f"drafter '{request.drafter}' is not loaded")
             ids = list(request.prompt_ids)
             check_prompt_fits(self.model, ids)
-        except ByblockError as e:
+            base = self.drafters[request.drafter]
+            seq = Sequence(
+                request.request_id,
+                ids,
+                request.params,
+                self.model,
+                base.fork() if base is not None else None,
+                time.perf_counter(),
+            )
+        except ByblockError as e:  # e.g. a logit_bias id outside the vocabulary
             self._failed.append(RequestOutput(request.request_id, error=str(e)))
             return
-        base = self.drafters[request.drafter]
-        seq = Sequence(
-            request.request_id,
-            ids,
-            request.params,
-            self.model,
-            base.fork() if base is not None else None,
-            time.perf_counter(),
-        )
         self._seqs[request.request_id] = seq
         self.scheduler.add(seq)
 

@@ -24,12 +24,14 @@ class OutputProcessor:
         self.params = params
         self.start = start
         self.eos = model.eos_token_ids
+        self.stop_ids = frozenset(params.stop_token_ids)
         self.prompt_tokens = len(prompt_ids)
         self.detok = IncrementalDetokenizer(model.tokenizer, prompt_ids)
         self.stops = StopStringMatcher(params.stop)
         self.room = min(params.max_new_tokens, model.max_context - len(prompt_ids))
         self.token_ids: list[int] = []
         self.from_draft: list[bool] = []
+        self.logprobs: list | None = [] if params.logprobs is not None else None
         self.pending: list[TokenEvent] = []  # tokens whose text has not been streamed yet
         self.ttft = 0.0
         self.finish = FinishReason.LENGTH
@@ -44,8 +46,10 @@ class OutputProcessor:
             self.ttft = now - self.start
         self.token_ids.append(ev.token_id)
         self.from_draft.append(ev.from_draft)
+        if self.logprobs is not None:
+            self.logprobs.append(ev.logprob)
         self.pending.append(ev)
-        if ev.token_id in self.eos and not self.params.ignore_eos:
+        if (ev.token_id in self.eos and not self.params.ignore_eos) or ev.token_id in self.stop_ids:
             self.finish, self.done = FinishReason.STOP, True
             return None
         delta = self.stops.push(self.detok.add(ev.token_id))
@@ -81,4 +85,5 @@ class OutputProcessor:
             drafter=drafter.name if drafter is not None else "none",
             block_size=drafter.block_size if drafter is not None else 1,
             stats=stats,
+            logprobs=self.logprobs,
         )

@@ -7,11 +7,11 @@ from collections.abc import Iterator
 
 import torch
 
+from byblock.engine.selector import TokenSelector
 from byblock.engine.types import SpecStats, TokenEvent
 from byblock.models.adapter import TargetModel
 from byblock.models.devices import device_clock
 from byblock.sampling.params import SamplingParams
-from byblock.sampling.processors import choose
 
 
 def plain_decode(
@@ -25,12 +25,13 @@ def plain_decode(
     cache = target.new_cache()
     dev = target.device
     clock = device_clock(dev)
+    select = TokenSelector(params, generator, prompt_ids, target.vocab_size, dev)
     logits = target.forward(torch.tensor([prompt_ids], device=dev), cache, logits_to_keep=1).logits  # [1, 1, V]
-    token = choose(logits[0, -1], params, generator)
+    event = select.choose(logits[0, -1])
     while True:
-        yield TokenEvent(token, from_draft=False)
+        yield event
         t0 = clock()
         cache.evict()  # StreamingLLM caches drop what the next query cannot see (no-op otherwise)
-        logits = target.forward(torch.tensor([[token]], device=dev), cache, logits_to_keep=1).logits
-        token = choose(logits[0, -1], params, generator)
+        logits = target.forward(torch.tensor([[event.token_id]], device=dev), cache, logits_to_keep=1).logits
+        event = select.choose(logits[0, -1])
         stats.record(0, 0, 0, 0.0, clock() - t0)

@@ -19,12 +19,13 @@ import torch
 
 from byblock.drafters.base import Drafter
 from byblock.engine.output import OutputProcessor
-from byblock.engine.types import SpecStats, TokenEvent
+from byblock.engine.selector import TokenSelector
+from byblock.engine.types import SpecStats
 from byblock.kv.kv_cache import KVCache
 from byblock.models.adapter import PackedOutput, SegmentInput, TargetModel
 from byblock.sampling.params import SamplingParams
-from byblock.sampling.processors import choose, make_generator
-from byblock.verify import Draft, TargetRows, verify
+from byblock.sampling.processors import make_generator
+from byblock.verify import Draft, TargetRows
 from byblock.verify.rows import FIRST_ROWS
 
 
@@ -82,6 +83,7 @@ class Sequence:
         self.tokens: list[int] = []  # committed: prompt + generated (the last one is the root, not yet cached)
         self.cache: KVCache | None = None
         self.generator = make_generator(params.seed, model.device)
+        self.select = TokenSelector(params, self.generator, prompt_ids, model.vocab_size, model.device)
         self.stats = SpecStats()
         self.output = OutputProcessor(model, prompt_ids, params, arrival)
         self.last_rows, self.last_emitted = 1, 1  # of its last decode round (the batch load other requests see)
@@ -153,23 +155,23 @@ class Sequence:
                 if self.drafter is not None:
                     self.drafter.start(self.tokens[:-1], hidden, self.params, self.generator)
                 return []
-            token = choose(first_logits[0], self.params, self.generator)
-            self.tokens = [*self.prompt_ids, token]
+            event = self.select.choose(first_logits[0])
+            self.tokens = [*self.prompt_ids, event.token_id]
             if self.drafter is not None:
                 self.drafter.start(self.prompt_ids, hidden, self.params, self.generator)
-            return [TokenEvent(token, from_draft=False)]
+            return [event]
         draft = rnd.draft
         if draft is None:  # a plain step
-            token = choose(first_logits[0], self.params, self.generator)
-            self.tokens.append(token)
+            event = self.select.choose(first_logits[0])
+            self.tokens.append(event.token_id)
             self.stats.record(0, 0, 0, 0.0, verify_s)
-            return [TokenEvent(token, from_draft=False)]
+            return [event]
         logits: torch.Tensor | TargetRows = first_logits
         if first_logits.shape[0] < draft.num_nodes + 1:  # the rest of the rows on demand (verify/rows.py)
             assert out.final is not None
             final, vocab = out.final[start:end], self.model.vocab_size
             logits = TargetRows(final, self.model.head, draft.children(), vocab, known=first_logits)
-        verdict = verify(draft, logits, self.params, self.generator)
+        verdict, events = self.select.verify(draft, logits)
         dev = self.model.device
         path = torch.tensor(verdict.path, dtype=torch.long, device=dev)
         self.cache.commit(rnd.past + 1, rnd.past + 1 + path)
@@ -182,4 +184,4 @@ class Sequence:
         self.stats.record(depth, draft.num_nodes, verdict.num_accepted, rnd.draft_s, verify_s)
         self.tokens.extend(verdict.tokens)
         self.last_rows, self.last_emitted = draft.num_nodes + 1, len(verdict.tokens)
-        return [TokenEvent(t, from_draft=j < verdict.num_accepted) for j, t in enumerate(verdict.tokens)]
+        return events

@@ -6,7 +6,7 @@ but the last one (the root), whose K/V is computed in the next round's forward t
     round:  input  = [root, x_1 .. x_N]            positions past + [0, depth_1 .. depth_N]
             logits = target(input)                  row 0 predicts after root, row i+1 after x_i;
                                                     the LM head runs only on the rows verify reads
-            verdict= verify(draft, logits)          accepted path x_{i_1}..x_{i_a} + one target token
+            verdict= select.verify(draft, logits)   accepted path x_{i_1}..x_{i_a} + one target token
             cache  = keep(prefix, root, path)       compact: a tree's accepted nodes are not contiguous
             emit     path tokens (from_draft) then the target token (the new root)
 """
@@ -18,12 +18,12 @@ from collections.abc import Iterator
 import torch
 
 from byblock.drafters.base import Drafter
+from byblock.engine.selector import TokenSelector
 from byblock.engine.types import SpecStats, TokenEvent
 from byblock.models.adapter import TargetModel
 from byblock.models.devices import device_clock
 from byblock.sampling.params import SamplingParams
-from byblock.sampling.processors import choose
-from byblock.verify import Draft, TargetRows, verify
+from byblock.verify import Draft, TargetRows
 
 
 def speculative_decode(
@@ -43,12 +43,14 @@ def speculative_decode(
     # costs about what one row does, and dense logits let greedy verification sync once per round.
     lazy_head = dev.type == "cpu"
     cache = target.new_cache()
+    select = TokenSelector(params, generator, prompt_ids, target.vocab_size, dev)  # penalties, sampling, logprobs
     out = target.forward(
         torch.tensor([prompt_ids], device=dev), cache, logits_to_keep=1, hidden_layers=layers
     )  # logits [1, 1, V]; hidden [1, T, k*H] or None
-    tokens = [*prompt_ids, choose(out.logits[0, -1], params, generator)]
+    first = select.choose(out.logits[0, -1])
+    tokens = [*prompt_ids, first.token_id]
     drafter.start(prompt_ids, out.hidden, params, generator)
-    yield TokenEvent(tokens[-1], from_draft=False)
+    yield first
     emitted = 1
     while True:
         # Never draft past what can still be emitted (the round adds one token of its own) or the context.
@@ -72,7 +74,7 @@ def speculative_decode(
         )
         # The LM head runs only on the rows verification reads (verify/rows.py), where the model allows it.
         logits = out.logits[0] if out.logits is not None else target_rows(target, out.final[0], draft)
-        verdict = verify(draft, logits, params, generator)
+        verdict, events = select.verify(draft, logits)
         # Commit: keep the root's slot and the accepted nodes' slots (node i sits at slot past + 1 + i).
         path = torch.tensor(verdict.path, dtype=torch.long, device=dev)
         cache.commit(past + 1, past + 1 + path)
@@ -85,9 +87,9 @@ def speculative_decode(
         depth = int(node_depths.max()) if draft.num_nodes else 0
         stats.record(depth, draft.num_nodes, verdict.num_accepted, t1 - t0, t2 - t1)
 
-        for j, token in enumerate(verdict.tokens):
-            tokens.append(token)
-            yield TokenEvent(token, from_draft=j < verdict.num_accepted)
+        for event in events:
+            tokens.append(event.token_id)
+            yield event
             emitted += 1
 
 

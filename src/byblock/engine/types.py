@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from byblock.sampling.logprobs import TokenLogprob
+
 
 class FinishReason(StrEnum):
     """Why generation ended (OpenAI's vocabulary)."""
@@ -19,6 +21,7 @@ class TokenEvent:
 
     token_id: int
     from_draft: bool  # True: drafted and accepted; False: produced by the target itself
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @dataclass
@@ -83,6 +86,7 @@ class GenerationResult:
     drafter: str
     block_size: int
     stats: SpecStats
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
     @property
     def num_new_tokens(self) -> int:

@@ -1,9 +1,11 @@
-"""Turn raw logits into the distribution tokens are drawn from (temperature, top-k, top-p).
+"""Turn raw logits into the distribution tokens are drawn from (temperature, min-p, top-k, top-p).
 
 Target and drafter go through this one function, so p and q are always processed identically.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -24,6 +26,9 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     # smallest normal (a subnormal T would round to 0 in the division); the result is one-hot either way.
     temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature
+    if params.min_p > 0.0:
+        # p(x) < min_p * p_max  <=>  logit(x) < log(min_p) + max logit, and the max logit is 0 after the shift.
+        logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
@@ -33,14 +33,9 @@ from byblock.engine.types import GenerationResult
 from byblock.errors import ByblockError, ContextLengthError
 from byblock.models.adapter import TargetModel
 from byblock.server.metrics import ServerMetrics
-from byblock.server.protocol import (
-    ChatCompletionRequest,
-    ChunkFactory,
-    CompletionRequest,
-    error_body,
-    full_response,
-    new_id,
-)
+from byblock.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
+from byblock.server.responses import ChunkFactory, Logprobs, full_response, new_id
+from byblock.server.routes import add_utility_routes, require_api_key
 from byblock.server.worker import AsyncEngine
 
 log = logging.getLogger("byblock.server")
@@ -53,20 +48,13 @@ DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its cli
 class ServerConfig:
     """What the server exposes and its limits."""
 
-    model_name: str  # the id clients put in "model"
+    model_name: str  # the id clients put in "model" (optional in a request, as in vLLM)
     default_drafter: str = "none"
-    default_max_tokens: int = 512  # chat requests without max_tokens (never past the context)
-    max_tokens_limit: int = 4096  # larger max_tokens is a 400
+    default_max_tokens: int | None = None  # chat requests without max_tokens; None: the rest of the context
+    max_tokens_limit: int = 4096  # larger max_tokens is a 400 (a default is capped at it)
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>" (else 401)
     max_pending: int | None = None  # requests in the engine (running + queued) past which new ones get a 503
     retry_after_s: int = 1  # the Retry-After of a 503
-
-
-class ApiError(Exception):
-    """A request error that becomes an OpenAI error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -82,7 +70,7 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
     """The server app. `core` owns the model from its engine loop; handlers only tokenize. engine_thread=False:
     the caller runs the loop (`app.state.engine.run`), as `byblock serve` does on its main thread."""
     engine = AsyncEngine(core, own_thread=engine_thread)
-    metrics = ServerMetrics(queue_depth=core.num_waiting, running=core.num_running)
+    metrics = ServerMetrics(core.num_waiting, core.num_running, config.model_name, model.max_context)
     if isinstance(core, BatchedEngineCore):
         metrics.watch_batches(core)
     pending: set[str] = set()  # request ids handed to the engine, not finished (the event loop's: no lock needed)
@@ -107,6 +95,9 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
         log.info(json.dumps({"event": "rejected", "endpoint": endpoint, "status": status, "error": message}))
         return _error(status, message, param, code)
 
+    if config.api_key is not None:
+        require_api_key(app, config.api_key, rejected)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
         return rejected(request, e.status, e.message, e.param, e.code)
@@ -130,21 +121,31 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
         log.exception("internal error")
         return rejected(request, 500, f"internal error: {type(e).__name__}")
 
-    def resolve(body: CompletionRequest | ChatCompletionRequest, chat: bool) -> EngineRequest:
-        if body.model != config.model_name:
+    def resolve(body: CompletionRequest | ChatCompletionRequest, chat: bool) -> list[EngineRequest]:
+        """The body's engine requests: one per choice (`n`), sharing the prompt; choice i samples with seed + i."""
+        if body.model is not None and body.model != config.model_name:
             raise ApiError(
                 404,
                 f"model '{body.model}' is not served here (serving '{config.model_name}')",
                 "model",
                 "model_not_found",
             )
+        if isinstance(body, ChatCompletionRequest):
+            refuse_unsupported(body)
         drafter = body.drafter or config.default_drafter
         if drafter not in core.drafter_names:
             raise ApiError(
                 400, f"drafter '{drafter}' is not loaded (loaded: {', '.join(core.drafter_names)})", "drafter"
             )
+        ids = tokenize(body)
         try:
-            params = body.sampling_params(config.default_max_tokens)
+            check_prompt_fits(model, ids)
+        except ContextLengthError as e:
+            raise ApiError(400, str(e), "messages" if chat else "prompt", "context_length_exceeded") from None
+        rest = model.max_context - len(ids)  # vLLM's default: the rest of the context
+        default = min(config.default_max_tokens or rest, rest, config.max_tokens_limit)
+        try:
+            params = body.sampling_params(default)
         except ByblockError as e:
             raise ApiError(400, str(e)) from None
         if params.max_new_tokens > config.max_tokens_limit:
@@ -153,12 +154,24 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
                 f"max_tokens {params.max_new_tokens} exceeds this server's limit {config.max_tokens_limit}",
                 "max_tokens",
             )
-        ids = tokenize(body)
-        try:
-            check_prompt_fits(model, ids)
-        except ContextLengthError as e:
-            raise ApiError(400, str(e), "messages" if chat else "prompt", "context_length_exceeded") from None
-        return EngineRequest(new_id("req"), tuple(ids), params, drafter)
+        for t in (*(i for i, _ in params.logit_bias), *params.stop_token_ids):
+            if t >= model.vocab_size:
+                raise ApiError(400, f"token id {t} is outside the vocabulary ({model.vocab_size})")
+        base = new_id("req")
+        if body.n == 1:
+            return [EngineRequest(base, tuple(ids), params, drafter)]
+        seeds = [None if params.seed is None else params.seed + i for i in range(body.n)]
+        return [
+            EngineRequest(f"{base}-{i}", tuple(ids), replace(params, seed=seed), drafter)
+            for i, seed in enumerate(seeds)
+        ]
+
+    def refuse_unsupported(body: ChatCompletionRequest) -> None:
+        """Tools are never silently ignored (no built-in model has a tool-call format byblock parses)."""
+        if body.wants_tools():
+            raise ApiError(400, f"tools are not supported for model '{config.model_name}'", "tools", "unsupported")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise ApiError(400, "response_format other than text is not supported yet", "response_format")
 
     def tokenize(body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
@@ -192,6 +205,7 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
             metrics.observe_result(result, ttft if ttft is not None else e2e, e2e)
         if status == "aborted":
             metrics.aborted.inc()
+            metrics.vllm.aborted()
         line = {
             "event": "request",
             "id": req.request_id,
@@ -216,37 +230,72 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
         response.headers["Retry-After"] = str(config.retry_after_s)
         return response
 
+    def token_text(token: int) -> str:
+        return model.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
     async def handle(body: CompletionRequest | ChatCompletionRequest, http: Request, chat: bool) -> Response:
         arrived = time.perf_counter()
         endpoint = "chat" if chat else "completions"
-        req = resolve(body, chat)
-        if config.max_pending is not None and len(pending) >= config.max_pending:
+        reqs = resolve(body, chat)
+        if config.max_pending is not None and len(pending) + len(reqs) > config.max_pending:
             return overloaded(http)
-        pending.add(req.request_id)
+        ids = [r.request_id for r in reqs]
+        pending.update(ids)
+        lp = Logprobs(chat, token_text) if reqs[0].params.logprobs is not None else None
         if body.stream:  # released by the stream's end, or after the response if the stream never started
             return StreamingResponse(
-                stream(req, chat, body.include_usage, arrived, endpoint),
+                stream(reqs, chat, body.include_usage, arrived, endpoint, lp),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                background=BackgroundTask(pending.discard, req.request_id),
+                background=BackgroundTask(pending.difference_update, ids),
             )
         try:
-            return await respond(req, http, chat, arrived, endpoint)
+            return await respond(reqs, http, chat, arrived, endpoint, lp)
         finally:
-            pending.discard(req.request_id)
+            pending.difference_update(ids)
 
-    async def respond(req: EngineRequest, http: Request, chat: bool, arrived: float, endpoint: str) -> Response:
-        """A non-streamed request: wait for its result, aborting it if the client goes away."""
-        ttft: float | None = None
-        result: GenerationResult | None = None
+    async def merged(reqs: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Every choice's outputs as they come, tagged with the choice index; leaving early aborts them all."""
+        if len(reqs) == 1:  # the common case, without tasks
+            async for out in engine.generate(reqs[0]):
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+        async def pump(i: int, req: EngineRequest) -> None:
+            try:
+                async for out in engine.generate(req):
+                    await queue.put((i, out))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
+        try:
+            open_ = len(tasks)
+            while open_:
+                i, out = await queue.get()
+                if out is None:
+                    open_ -= 1
+                    continue
+                yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def respond(
+        reqs: list[EngineRequest], http: Request, chat: bool, arrived: float, endpoint: str, lp: Logprobs | None
+    ) -> Response:
+        """A non-streamed request: wait for every choice's result, aborting them if the client goes away."""
+        ttft: list[float | None] = [None] * len(reqs)
+        results: list[GenerationResult | None] = [None] * len(reqs)
         failure: RequestOutput | None = None
 
         async def collect() -> None:
-            nonlocal ttft, result, failure
-            async for out in engine.generate(req):
-                if out.event is not None and ttft is None:
-                    ttft = time.perf_counter() - arrived
-                result = out.result or result
+            nonlocal failure
+            async for i, out in merged(reqs):
+                if out.event is not None and ttft[i] is None:
+                    ttft[i] = time.perf_counter() - arrived
+                results[i] = out.result or results[i]
                 failure = out if out.error is not None else failure
 
         task = asyncio.ensure_future(collect())
@@ -254,46 +303,52 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await http.is_disconnected():
                 task.cancel()
-                finish(endpoint, "aborted", req, arrived, ttft, None, False)
+                for i, req in enumerate(reqs):
+                    finish(endpoint, "aborted", req, arrived, ttft[i], None, False)
                 return Response(status_code=499)
         task.result()
-        if failure is not None or result is None:
-            finish(endpoint, "error", req, arrived, ttft, None, False)
+        if failure is not None or any(r is None for r in results):
+            for i, req in enumerate(reqs):
+                finish(endpoint, "error", req, arrived, ttft[i], None, False)
             if failure is None:
                 return _error(500, "generation ended without a result")
             return _error(500 if failure.internal else 400, failure.error or "generation failed")
-        finish(endpoint, "ok", req, arrived, ttft, result, False)
-        return JSONResponse(full_response(chat, config.model_name, result))
+        done = [r for r in results if r is not None]
+        for i, (req, result) in enumerate(zip(reqs, done, strict=True)):
+            finish(endpoint, "ok", req, arrived, ttft[i], result, False)
+        return JSONResponse(full_response(chat, config.model_name, done, lp))
 
     async def stream(
-        req: EngineRequest, chat: bool, include_usage: bool, arrived: float, endpoint: str
+        reqs: list[EngineRequest], chat: bool, include_usage: bool, arrived: float, endpoint: str, lp: Logprobs | None
     ) -> AsyncIterator[bytes]:
-        chunks = ChunkFactory(chat, config.model_name)
-        ttft: float | None = None
-        result: GenerationResult | None = None
+        chunks = ChunkFactory(chat, config.model_name, lp)
+        ttft: list[float | None] = [None] * len(reqs)
+        results: list[GenerationResult | None] = [None] * len(reqs)
         status = "aborted"
         try:
-            first = chunks.first()
+            first = chunks.first(len(reqs))
             if first is not None:
                 yield _sse(first)
-            async for out in engine.generate(req):
+            async for i, out in merged(reqs):
                 if out.error is not None:
                     status = "error"
                     yield _sse(error_body(out.error, "internal_error" if out.internal else "invalid_request_error"))
                     break
                 if out.event is not None:
-                    ttft = ttft if ttft is not None else time.perf_counter() - arrived
-                    yield _sse(chunks.delta(out.event))
+                    ttft[i] = ttft[i] if ttft[i] is not None else time.perf_counter() - arrived
+                    yield _sse(chunks.delta(i, out.event))
                 if out.result is not None:
-                    result = out.result
-                    yield _sse(chunks.final(result))
-                    if include_usage:
-                        yield _sse(chunks.usage(result))
-                    status = "ok"
+                    results[i] = out.result
+                    yield _sse(chunks.final(i, out.result))
+            else:
+                if include_usage:
+                    yield _sse(chunks.usage([r for r in results if r is not None]))
+                status = "ok"
             yield _sse("[DONE]")
         finally:
-            pending.discard(req.request_id)
-            finish(endpoint, status, req, arrived, ttft, result if status == "ok" else None, True)
+            pending.difference_update(r.request_id for r in reqs)
+            for i, req in enumerate(reqs):
+                finish(endpoint, status, req, arrived, ttft[i], results[i] if status == "ok" else None, True)
 
     @app.post("/v1/completions", summary="OpenAI completions (byblock extension: `drafter`)")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -302,6 +357,8 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
     @app.post("/v1/chat/completions", summary="OpenAI chat completions (byblock extension: `drafter`)")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await handle(body, request, chat=True)
+
+    add_utility_routes(app, model, config)
 
     @app.get("/v1/models", summary="The served model and its loaded drafters")
     async def models() -> dict[str, Any]:

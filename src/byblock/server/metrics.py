@@ -18,6 +18,7 @@ from prometheus_client import (
 )
 
 from byblock.engine.types import GenerationResult
+from byblock.server.vllm_metrics import VllmMetrics
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
 TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
@@ -34,9 +35,17 @@ def _usage(core) -> Callable[[], float]:
 class ServerMetrics:
     """Every metric the server exports, registered on a private registry."""
 
-    def __init__(self, queue_depth: Callable[[], float], running: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        queue_depth: Callable[[], float],
+        running: Callable[[], float],
+        model_name: str = "model",
+        max_context: int = 8192,
+    ) -> None:
+        """model_name / max_context: the served model's (vLLM-named series are labelled with the name)."""
         self.registry = CollectorRegistry()
         r = self.registry
+        self.vllm = VllmMetrics(r, model_name, max_context, queue_depth, running)
         ProcessCollector(registry=r)  # process_resident_memory_bytes, cpu seconds, open fds
         self.requests = Counter("byblock_requests", "Finished HTTP requests", ["endpoint", "status"], registry=r)
         self.aborted = Counter("byblock_requests_aborted", "Requests stopped by a client disconnect", registry=r)
@@ -94,9 +103,11 @@ class ServerMetrics:
         )
         for name, doc, fn in gauges:
             Gauge(name, doc, registry=r).set_function(fn)
+        self.vllm.watch(_usage(core), lambda: core.preemptions)
 
     def observe_result(self, result: GenerationResult, ttft_s: float, e2e_s: float) -> None:
         """Record a finished generation; ttft_s / e2e_s are wall times from the request's arrival."""
+        self.vllm.observe(result, ttft_s, e2e_s)
         d, s = result.drafter, result.stats
         n = result.num_new_tokens
         self.prompt_tokens.inc(result.prompt_tokens)

@@ -1,5 +1,5 @@
-"""OpenAI wire format: request bodies (validated by pydantic, so they also define the OpenAPI schema) and
-the response / chunk / error objects byblock sends back.
+"""OpenAI wire format, requests: the bodies (validated by pydantic, so they also define the OpenAPI schema),
+their translation into SamplingParams, and the error object. Responses and stream chunks: server/responses.py.
 
 byblock extensions are plain extra fields, which OpenAI clients ignore: `drafter` on requests (pass it with
 `extra_body={"drafter": "ngram"}`), `byblock` on responses and stream chunks (which tokens came from an
@@ -8,17 +8,15 @@ accepted draft, τ, tokens/s).
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from byblock.engine.types import GenerationResult, StreamEvent
 from byblock.errors import InvalidParameterError
-from byblock.sampling.params import SamplingParams
+from byblock.sampling.params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_N = 16  # choices per request (each one is an engine request)
 
 
 class StreamOptions(BaseModel):
@@ -28,22 +26,28 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions: OpenAI's, plus vLLM's extra sampling fields
+    (top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos), which clients pass with `extra_body`."""
 
     model_config = ConfigDict(extra="ignore")  # clients send fields we do not need (user, metadata, ...)
 
-    model: str
+    model: str | None = None  # optional, as in vLLM: the served model when absent
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # vLLM: -1 or 0 disables
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] = 0.0
-    logprobs: Literal[False] | None = None
     drafter: str | None = Field(None, description="byblock: which loaded drafter decodes this request")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -55,9 +59,22 @@ class _SamplingFields(BaseModel):
             max_new_tokens=self.requested_max_tokens() or default_max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=tuple((self.logit_bias or {}).items()),  # keys: token ids as strings (checked there)
             seed=self.seed,
             stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.num_logprobs(),
         )
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to return (None: no logprobs)."""
+        raise NotImplementedError
 
     def requested_max_tokens(self) -> int | None:
         """The client's token limit, if any."""
@@ -79,6 +96,11 @@ class CompletionRequest(_SamplingFields):
     )
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
     echo: Literal[False] = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # legacy: alternatives per token
+
+    def num_logprobs(self) -> int | None:
+        """The legacy `logprobs` integer."""
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -89,16 +111,36 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat turn."""
+    """One chat turn. Tool results (role `tool`) and assistant turns without content (`content: null`, e.g. one
+    that only called tools) are accepted: the chat template sees their text, "" when there is none."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id, tool_calls ...
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
 
     def text(self) -> str:
         """The message's text (content parts concatenated)."""
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -106,109 +148,39 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    def num_logprobs(self) -> int | None:
+        """`logprobs: true` with `top_logprobs` alternatives (OpenAI: top_logprobs needs logprobs)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameterError("top_logprobs requires logprobs to be true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens (OpenAI's newer name) wins over max_tokens."""
         return self.max_completion_tokens or self.max_tokens
+
+    def wants_tools(self) -> bool:
+        """True when the request offers tools the model may call (tool_choice "none" offers none)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def chat_messages(self) -> list[dict[str, str]]:
         """role/content dicts for the chat template ('developer' is OpenAI's newer name for 'system')."""
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
-def new_id(prefix: str) -> str:
-    """An OpenAI-style object id."""
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+class ApiError(Exception):
+    """A request error that becomes an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None):
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def usage(result: GenerationResult) -> dict[str, int]:
-    """OpenAI usage counts."""
-    n = result.num_new_tokens
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n}
-
-
-def result_extension(result: GenerationResult) -> dict[str, Any]:
-    """The `byblock` field of a finished response: how the block-parallel decode went."""
-    s = result.stats
-    return {
-        "drafter": result.drafter,
-        "tau": round(s.mean_accepted, 4),
-        "rounds": s.rounds,
-        "draft_tokens": sum(result.from_draft),
-        "from_draft": [int(x) for x in result.from_draft],
-        "ttft_s": round(result.ttft_s, 6),
-        "total_s": round(result.total_s, 6),
-        "tokens_per_s": round(result.tokens_per_s, 3),
-    }
-
-
-def event_extension(event: StreamEvent) -> dict[str, Any]:
-    """The `byblock` field of a stream chunk: which of the delta's tokens came from an accepted draft."""
-    return {"from_draft": [int(t.from_draft) for t in event.tokens], "elapsed_s": round(event.elapsed_s, 6)}
-
-
-class ChunkFactory:
-    """Builds the chunks of one streamed response (same id and creation time on every chunk)."""
-
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat = chat
-        self.model = model
-        self.id = new_id("chatcmpl" if chat else "cmpl")
-        self.created = int(time.time())
-
-    def _wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
-
-    def _choice(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-
-    def first(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant role and empty content."""
-        return self._wrap([self._choice("", None, role=True)]) if self.chat else None
-
-    def delta(self, event: StreamEvent) -> dict[str, Any]:
-        """A text delta."""
-        return self._wrap([self._choice(event.text, None)], byblock=event_extension(event))
-
-    def final(self, result: GenerationResult) -> dict[str, Any]:
-        """The chunk that carries finish_reason (and byblock's summary)."""
-        return self._wrap(
-            [self._choice(None if self.chat else "", result.finish_reason.value)], byblock=result_extension(result)
-        )
-
-    def usage(self, result: GenerationResult) -> dict[str, Any]:
-        """The trailing usage chunk (stream_options.include_usage)."""
-        return self._wrap([], usage=usage(result))
-
-
-def full_response(chat: bool, model: str, result: GenerationResult) -> dict[str, Any]:
-    """A non-streamed response object."""
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": result.text},
-            "logprobs": None,
-            "finish_reason": result.finish_reason.value,
-        }
-    else:
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason.value}
-    return {
-        "id": new_id("chatcmpl" if chat else "cmpl"),
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": usage(result),
-        "byblock": result_extension(result),
-    }
