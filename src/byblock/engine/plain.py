@@ -25,7 +25,7 @@ def plain_decode(
     cache = target.new_cache()
     dev = target.device
     clock = device_clock(dev)
-    select = TokenSelector(params, generator, prompt_ids, target.vocab_size, dev)
+    select = TokenSelector(params, generator, prompt_ids, target)
     logits = target.forward(torch.tensor([prompt_ids], device=dev), cache, logits_to_keep=1).logits  # [1, 1, V]
     event = select.choose(logits[0, -1])
     while True:

@@ -83,7 +83,7 @@ class Sequence:
         self.tokens: list[int] = []  # committed: prompt + generated (the last one is the root, not yet cached)
         self.cache: KVCache | None = None
         self.generator = make_generator(params.seed, model.device)
-        self.select = TokenSelector(params, self.generator, prompt_ids, model.vocab_size, model.device)
+        self.select = TokenSelector(params, self.generator, prompt_ids, model)
         self.stats = SpecStats()
         self.output = OutputProcessor(model, prompt_ids, params, arrival)
         self.last_rows, self.last_emitted = 1, 1  # of its last decode round (the batch load other requests see)
@@ -130,7 +130,7 @@ class Sequence:
             return Round(SegmentInput(self.cache, [root]), rows=1, past=self.cache.length, draft=None, prefill=False)
         budget = self.depth_budget()
         t0 = clock()
-        draft = self.drafter.propose(self.tokens, budget) if budget > 0 else Draft.empty()
+        draft = self.select.trim(self.drafter.propose(self.tokens, budget)) if budget > 0 else Draft.empty()
         draft_s = clock() - t0 + drafted_s
         past = self.cache.length
         positions = tree_mask = None

@@ -43,7 +43,7 @@ def speculative_decode(
     # costs about what one row does, and dense logits let greedy verification sync once per round.
     lazy_head = dev.type == "cpu"
     cache = target.new_cache()
-    select = TokenSelector(params, generator, prompt_ids, target.vocab_size, dev)  # penalties, sampling, logprobs
+    select = TokenSelector(params, generator, prompt_ids, target)  # penalties, grammar, sampling, logprobs
     out = target.forward(
         torch.tensor([prompt_ids], device=dev), cache, logits_to_keep=1, hidden_layers=layers
     )  # logits [1, 1, V]; hidden [1, T, k*H] or None
@@ -56,7 +56,7 @@ def speculative_decode(
         # Never draft past what can still be emitted (the round adds one token of its own) or the context.
         depth_budget = min(params.max_new_tokens - emitted, target.max_context - len(tokens)) - 1
         t0 = clock()
-        draft = drafter.propose(tokens, depth_budget) if depth_budget > 0 else Draft.empty()
+        draft = select.trim(drafter.propose(tokens, depth_budget)) if depth_budget > 0 else Draft.empty()
         t1 = clock()
 
         cache.evict()  # StreamingLLM caches drop what the next query cannot see (no-op otherwise)

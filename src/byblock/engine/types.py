@@ -120,4 +120,12 @@ class GenerationResult:
             "num_draft_accepted": sum(self.from_draft),
             "draft_s": round(s.draft_s, 6),
             "verify_s": round(s.verify_s, 6),
+            **({"logprobs": [_logprob_json(lp) for lp in self.logprobs]} if self.logprobs is not None else {}),
         }
+
+
+def _logprob_json(lp: TokenLogprob | None) -> dict | None:
+    """A token's logprob and its alternatives for --json (ids, not strings: the caller has the tokenizer)."""
+    if lp is None:
+        return None
+    return {"logprob": round(lp.logprob, 6), "top": [[i, round(v, 6)] for i, v in lp.top]}

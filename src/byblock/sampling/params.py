@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from byblock.errors import InvalidParameterError
+from byblock.sampling.grammar import Grammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,7 @@ class SamplingParams:
     logprobs: None returns none; k >= 0 returns each emitted token's log-probability under the target's raw
     distribution and the k most likely alternatives (vLLM's default `raw_logprobs`).
     stop_token_ids end generation like EOS (even with ignore_eos), the token counted but not shown.
+    grammar: structured output — every row masked to the tokens the grammar accepts next (sampling/grammar.py).
     """
 
     max_new_tokens: int = 256
@@ -36,6 +38,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: int | None = None
+    grammar: Grammar | None = None  # structured output: a token mask on every row (sampling/grammar.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -70,6 +73,8 @@ class SamplingParams:
         if any(not math.isfinite(b) or not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
             raise InvalidParameterError("logit_bias values must be in [-100, 100]")
         object.__setattr__(self, "stop_token_ids", tuple(_token_id(t, "stop_token_ids") for t in self.stop_token_ids))
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise InvalidParameterError("grammar must be a byblock.sampling.grammar.Grammar")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidParameterError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
@@ -80,7 +85,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """True when a row's raw logits change before sampling (penalties or logit_bias)."""
+        """True when penalties or logit_bias change a row's raw logits before sampling."""
         return bool(
             self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty or self.logit_bias
         )

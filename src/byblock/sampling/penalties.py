@@ -8,7 +8,8 @@ Definitions are vLLM's (and so the OpenAI API's as vLLM serves it):
 
 A row's "output so far" depends on the row: in a verify forward, the row of drafted node i continues the
 committed output with the drafted tokens on the path from the root to i. `Penalties.row(logits, extra)`
-takes those path tokens, so each row is adjusted exactly as plain decoding would adjust it at that position.
+takes those path tokens (verify/rows.py AdjustedRows finds them), so each row is adjusted exactly as plain
+decoding would adjust it at that position.
 """
 
 from __future__ import annotations
@@ -63,35 +64,3 @@ class Penalties:
         if p.logit_bias:
             x = x + self.bias
         return x
-
-
-class PenalizedRows:
-    """A verify forward's target rows [N+1, V] (a tensor or TargetRows), each adjusted on first read with the
-    drafted tokens on its own path (row 0 = the root: the committed output alone; row i+1 = node i)."""
-
-    def __init__(self, rows, penalties: Penalties, tokens: list[int], parents: list[int]) -> None:
-        """tokens / parents: the draft's node tokens and parent indices (-1 = a child of the root)."""
-        self._rows = rows
-        self._pen = penalties
-        self._tokens = tokens
-        self._parents = parents
-        self._done: dict[int, torch.Tensor] = {}
-        self.shape = rows.shape
-        self.device = rows.device
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def _path(self, row: int) -> list[int]:
-        """The drafted tokens from the root to node row-1, in order."""
-        out, node = [], row - 1
-        while node >= 0:
-            out.append(self._tokens[node])
-            node = self._parents[node]
-        return out[::-1]
-
-    def __getitem__(self, row: int) -> torch.Tensor:
-        """[V] adjusted float32 logits of `row`."""
-        if row not in self._done:
-            self._done[row] = self._pen.row(self._rows[row], self._path(row))
-        return self._done[row]

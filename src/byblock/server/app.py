@@ -146,6 +146,8 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
         default = min(config.default_max_tokens or rest, rest, config.max_tokens_limit)
         try:
             params = body.sampling_params(default)
+            if params.grammar is not None:
+                params.grammar.check()  # here, so a bad schema is a 400 before the request is queued
         except ByblockError as e:
             raise ApiError(400, str(e)) from None
         if params.max_new_tokens > config.max_tokens_limit:
@@ -170,8 +172,6 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
         """Tools are never silently ignored (no built-in model has a tool-call format byblock parses)."""
         if body.wants_tools():
             raise ApiError(400, f"tools are not supported for model '{config.model_name}'", "tools", "unsupported")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise ApiError(400, "response_format other than text is not supported yet", "response_format")
 
     def tokenize(body: CompletionRequest | ChatCompletionRequest) -> list[int]:
         if isinstance(body, ChatCompletionRequest):

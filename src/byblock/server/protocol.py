@@ -8,11 +8,13 @@ accepted draft, τ, tokens/s).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from byblock.errors import InvalidParameterError
+from byblock.sampling.grammar import Grammar, GrammarKind
 from byblock.sampling.params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -23,6 +25,71 @@ class StreamOptions(BaseModel):
     """`stream_options`: only include_usage is meaningful."""
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> Grammar | None:
+        """The constraint it asks for (None: free text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Grammar(GrammarKind.JSON_OBJECT)
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise InvalidParameterError("response_format json_schema needs json_schema.schema")
+        return Grammar.json_schema(self.json_schema.schema_)
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extra field: exactly one of json, regex, choice, grammar, json_object."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def to_grammar(self) -> Grammar:
+        """The one constraint given."""
+        given = [
+            (k, v)
+            for k, v in (
+                ("json", self.json_),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+                ("json_object", self.json_object or None),
+            )
+            if v is not None
+        ]
+        if len(given) != 1:
+            raise InvalidParameterError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, json_object"
+            )
+        kind, v = given[0]
+        if kind == "json":
+            return Grammar.json_schema(v)  # type: ignore[arg-type]
+        if kind == "json_object":
+            return Grammar(GrammarKind.JSON_OBJECT)
+        if kind == "choice":
+            return Grammar(GrammarKind.CHOICE, json.dumps(v))
+        return Grammar(GrammarKind(kind), v)  # type: ignore[arg-type]
 
 
 class _SamplingFields(BaseModel):
@@ -48,6 +115,8 @@ class _SamplingFields(BaseModel):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     drafter: str | None = Field(None, description="byblock: which loaded drafter decodes this request")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -70,7 +139,17 @@ class _SamplingFields(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=self.num_logprobs(),
+            grammar=self.grammar(),
         )
+
+    def grammar(self) -> Grammar | None:
+        """The structured-output constraint: response_format (OpenAI) or structured_outputs (vLLM), not both."""
+        fmt = self.response_format.grammar() if self.response_format is not None else None
+        if self.structured_outputs is None:
+            return fmt
+        if fmt is not None:
+            raise InvalidParameterError("give response_format or structured_outputs, not both")
+        return self.structured_outputs.to_grammar()
 
     def num_logprobs(self) -> int | None:
         """Alternatives per token to return (None: no logprobs)."""
@@ -126,23 +205,6 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class JsonSchemaFormat(BaseModel):
-    """`response_format.json_schema`."""
-
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
-
-    name: str = "response"
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    """`response_format`: free text, any JSON object, or JSON matching a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -150,7 +212,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 

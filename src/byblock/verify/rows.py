@@ -80,6 +80,46 @@ class TargetRows:
         self._rows.update(zip(rows, logits, strict=True))
 
 
+class AdjustedRows:
+    """A verify forward's target rows [N+1, V] (a tensor or TargetRows), each passed on first read through
+    `adjust(logits, path)`, path = the drafted tokens from the root to that row's node (row 0, the root: []).
+    How history-dependent processing (penalties, grammar masks) sees, per row, the output plain decoding would
+    have at that position."""
+
+    def __init__(
+        self,
+        rows: torch.Tensor | TargetRows,
+        adjust: Callable[[torch.Tensor, list[int]], torch.Tensor],
+        tokens: list[int],
+        parents: list[int],
+    ) -> None:
+        """tokens / parents: the draft's node tokens and parent indices (-1 = a child of the root)."""
+        self._rows = rows
+        self._adjust = adjust
+        self._tokens = tokens
+        self._parents = parents
+        self._done: dict[int, torch.Tensor] = {}
+        self.shape = rows.shape
+        self.device = rows.device
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def path(self, row: int) -> list[int]:
+        """The drafted tokens from the root to node row-1, in order."""
+        out, node = [], row - 1
+        while node >= 0:
+            out.append(self._tokens[node])
+            node = self._parents[node]
+        return out[::-1]
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        """[V] adjusted float32 logits of `row`."""
+        if row not in self._done:
+            self._done[row] = self._adjust(self._rows[row], self.path(row))
+        return self._done[row]
+
+
 class ProcessedRows:
     """Row-indexable processed target probabilities (temperature, top-k, top-p), each row processed on first
     read: over logits [N+1, V] (a tensor or TargetRows), only the rows a verification reads cost anything."""
