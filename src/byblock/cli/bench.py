@@ -37,6 +37,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     add_dtype_args(parser)
     parser.add_argument("--methods", default="ar,ngram,dflash", help="comma list; see byblock/bench/methods.py")
+    from byblock.cli import speculative_args
+
+    speculative_args.add_arg(parser)  # one more method, named the vLLM way
     parser.add_argument(
         "--dataset",
         default="dev",
@@ -191,6 +194,10 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.speculative_config is not None:
+        from byblock.cli.speculative_args import bench_method
+
+        names.append(bench_method(args.speculative_config))
     if "ar" not in names:
         names.insert(0, "ar")  # the reference every lossless check compares with
     if len(set(names)) != len(names):

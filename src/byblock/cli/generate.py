@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from byblock.cli import speculative_args
 from byblock.cli.dtype_args import add_dtype_args, relayout, resolve_placement, row_invariant
 from byblock.cli.sampling_args import add_sampling_args, sampling_params
 from byblock.cli.sparse_args import add_sparse_args, enable_sparse
@@ -50,6 +51,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adaptive", action="store_true", help="dflash/ddtree: size each round from measured costs")
     parser.add_argument("--highlight", action="store_true", help="colour tokens that came from accepted drafts")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow hub checkpoints to run code")
+    speculative_args.add_arg(parser)
     add_sampling_args(parser)
     add_sparse_args(parser)
     from byblock.cli.generate_dllm import add_dllm_args
@@ -74,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from byblock.models.loading import load_model
 
     params = sampling_params(args, args.max_new_tokens or 256)
+    speculative_args.apply_to_generate(args)
     spec = DrafterSpec.parse(
         args.drafter,
         block_size=args.block_size,

@@ -26,6 +26,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "ngram | model:ID | [adaptive-]dflash|ddtree|hybrid[:PATH] | domino|dominotree[:PATH]",
     )
     parser.add_argument("--block-size", type=int, default=None, help="tokens per verify forward (see generate)")
+    from byblock.cli import speculative_args
+
+    speculative_args.add_arg(parser)
     parser.add_argument(
         "--tree-budget", type=int, default=31, help="max draft nodes per round (trees; 31 + root = one 32-row pass)"
     )
@@ -91,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
 
     require("serve", "byblock serve")
     resolve_placement(args)
+    from byblock.cli import speculative_args
     from byblock.server.app import ServerConfig, create_app
+
+    speculative_args.apply_to_serve(args)
 
     if args.max_tokens is not None and not 1 <= args.max_tokens <= args.max_tokens_limit:
         raise ByblockError("need 1 <= --max-tokens <= --max-tokens-limit")
@@ -187,6 +193,7 @@ def _ar_core(args: argparse.Namespace, batch):
     from byblock.models.loading import load_model
 
     knobs = {"block_size": args.block_size, "tree_budget": args.tree_budget, "num_candidates": args.num_candidates}
+    knobs |= {k: getattr(args, k) for k in ("ngram_min", "ngram_max") if hasattr(args, k)}  # --speculative-config
     specs = {text: DrafterSpec.parse(text, **knobs) for text in dict.fromkeys(args.drafter)}
     model = load_model(
         args.model,

@@ -83,7 +83,7 @@ class OutputProcessor:
             ttft_s=self.ttft,
             total_s=time.perf_counter() - self.start,
             drafter=drafter.name if drafter is not None else "none",
-            block_size=drafter.block_size if drafter is not None else 1,
+            block_size=drafter.block_size + 1 if drafter is not None else 1,  # the anchor + what it drafts
             stats=stats,
             logprobs=self.logprobs,
         )

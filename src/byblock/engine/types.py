@@ -84,7 +84,7 @@ class GenerationResult:
     ttft_s: float
     total_s: float
     drafter: str
-    block_size: int
+    block_size: int  # tokens per verify forward, the anchor included (--block-size); 1 for plain decoding
     stats: SpecStats
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
@@ -113,6 +113,7 @@ class GenerationResult:
             "tokens_per_s": round(self.tokens_per_s, 3),
             "drafter": self.drafter,
             "block_size": self.block_size,
+            "num_speculative_tokens": self.block_size - 1,  # drafted per round at most (vLLM's count)
             "rounds": s.rounds,
             "mean_accepted": round(s.mean_accepted, 4),
             "acceptance_histogram": s.accept_counts,
