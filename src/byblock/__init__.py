@@ -21,9 +21,10 @@ _LAZY = {
     "ByblockError": "byblock.errors",
     "load_model": "byblock.models.loading",
     "SamplingParams": "byblock.sampling.params",
+    "Grammar": "byblock.sampling.grammar",
 }
 
-__all__ = ["ByblockError", "SamplingParams", "__version__", "generate", "load_model", "stream"]
+__all__ = ["ByblockError", "Grammar", "SamplingParams", "__version__", "generate", "load_model", "stream"]
 
 
 def __getattr__(name: str):

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "serve": "Serve the OpenAI API with block-parallel decoding, /metrics and a playground page.",
     "loadgen": "Closed-loop load against a running server: throughput and TTFT p50/p99 per level.",
     "export": "Write a drafter in the layout a serving engine (vLLM) loads as is.",
+    "recommend": "Measure the decoding methods on your prompts and print them ranked, with the winner's commands.",
     "launch": "Start a production engine's OpenAI server (vLLM) with byblock's drafter, in one command.",
 }
 
