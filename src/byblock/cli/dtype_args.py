@@ -57,3 +57,18 @@ def resolve_placement(args: argparse.Namespace) -> None:
 def relayout(args: argparse.Namespace) -> bool | str:
     """load_model's `relayout` for --linears."""
     return {"auto": True, "packed": "packed", "library": "inout"}[args.linears]
+
+
+def load_target(args: argparse.Namespace):
+    """The target model these flags name (--model, --device, --dtype, --weights, row invariance, relayout)."""
+    from byblock.models.loading import load_model
+
+    return load_model(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        trust_remote_code=getattr(args, "trust_remote_code", False),
+        row_invariant=row_invariant(args),
+        relayout=relayout(args),
+        weights=args.weights,
+    )

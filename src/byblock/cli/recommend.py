@@ -7,7 +7,7 @@ import json
 import statistics
 import sys
 
-from byblock.cli.dtype_args import add_dtype_args, relayout, resolve_placement, row_invariant
+from byblock.cli.dtype_args import add_dtype_args, load_target, resolve_placement
 from byblock.errors import ByblockError
 from byblock.models.registry import DEFAULT_MODEL
 
@@ -42,7 +42,6 @@ def run(args: argparse.Namespace) -> int:
     from byblock.bench.recommend import candidates, commands, rank, table
     from byblock.bench.runner import run_dataset
     from byblock.cli.bench import load_datasets
-    from byblock.models.loading import load_model
     from byblock.sampling.params import SamplingParams
 
     names = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else candidates(args.target)
@@ -50,14 +49,7 @@ def run(args: argparse.Namespace) -> int:
         names.insert(0, "ar")
     specs = [MethodSpec.parse(n) for n in names]  # a typo is an error before anything loads
     prompts = [p for ps in load_datasets(args.prompts, None, args.limit).values() for p in ps]
-    target = load_model(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        row_invariant=row_invariant(args),
-        relayout=relayout(args),
-        weights=args.weights,
-    )
+    target = load_target(args)
     runners, skipped = {}, {}
     for spec in specs:
         try:
