@@ -7,6 +7,8 @@ one request with a fresh fork of the same drafter.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -24,6 +26,7 @@ from byblock.engine.api import generate
 from byblock.engine.batched import BatchedEngineCore
 from byblock.engine.core import EngineRequest
 from byblock.engine.scheduler import BatchConfig
+from byblock.kernels.gqa_sdpa import PREFILL_TILE
 from byblock.models.adapter import SegmentInput
 from byblock.sampling.params import SamplingParams
 
@@ -95,7 +98,7 @@ request_st = st.fixed_dictionaries(
         "drafter": st.sampled_from(
             ["none", "ngram", "ngramtree", "dflash", "ddtree", "hybrid", "domino", "dominotree", "model", "adaptive"]
         ),
-        "prompt_len": st.integers(1, 40),
+        "prompt_len": st.one_of(st.integers(1, 40), st.integers(60, 230)),  # long ones are chunked
         "seed": st.integers(0, 2**16),
         "max_new": st.integers(1, 24),
         "sampled": st.booleans(),
@@ -107,11 +110,19 @@ request_st = st.fixed_dictionaries(
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(reqs=st.lists(request_st, min_size=1, max_size=6), max_seqs=st.integers(1, 5), budget=st.integers(8, 96))
-def test_random_mix_matches_solo(setup, reqs, max_seqs, budget):
-    """Random requests arriving at random steps, some aborted: each finished one equals its solo run."""
+@given(
+    reqs=st.lists(request_st, min_size=1, max_size=6),
+    max_seqs=st.integers(1, 5),
+    budget=st.integers(8, 160),
+    chunked=st.booleans(),
+)
+def test_random_mix_matches_solo(setup, reqs, max_seqs, budget, chunked):
+    """Random requests arriving at random steps, some aborted, long prompts prefilled in chunks or whole:
+    each finished one equals its solo run."""
     target, drafters = setup
-    core = BatchedEngineCore(target, drafters, BatchConfig(max_num_seqs=max_seqs, max_batched_tokens=budget))
+    budget = max(budget, PREFILL_TILE) if chunked else budget
+    config = BatchConfig(max_num_seqs=max_seqs, max_batched_tokens=budget, chunked_prefill=chunked)
+    core = BatchedEngineCore(target, drafters, config)
     arrivals: dict[int, list[EngineRequest]] = {}
     aborts: dict[int, list[str]] = {}
     expected = {}
@@ -257,3 +268,49 @@ def test_quantized_kv_cache_batched_matches_solo():
     drafter = NgramDrafter(NgramConfig(block_size=4))
     solo = [generate(target, p, params, drafter=drafter).token_ids for p in prompts]
     assert [r.token_ids for r in generate(target, prompts, params, drafter=drafter)] == solo
+
+
+def test_chunked_prefill_is_bitwise_one_prefill(setup):
+    """A prompt prefilled in tile-aligned chunks leaves the same cache and logits, bit for bit, as one
+    prefill forward (kernels/gqa_sdpa.py's aligned query tiles)."""
+    target, _ = setup
+    ids = torch.randint(3, target.vocab_size, (230,), generator=torch.Generator().manual_seed(3)).tolist()
+    whole = target.new_cache()
+    ref = target.forward_packed([SegmentInput(whole, ids)], [229]).logits
+    for cuts in ((64,), (128, 192), (64, 128, 192)):
+        cache, edges = target.new_cache(), (0, *cuts, len(ids))
+        for a, b in itertools.pairwise(edges):
+            other = target.new_cache()  # another request in the same forward: its rows must not matter
+            segs = [SegmentInput(cache, ids[a:b]), SegmentInput(other, ids[:7])]
+            out = target.forward_packed(segs, [b - a - 1])
+        assert torch.equal(out.logits, ref), cuts
+        for layer in range(len(whole.hf.layers)):
+            k_ref, v_ref = whole.hf.layers[layer].keys, whole.hf.layers[layer].values
+            assert torch.equal(cache.hf.layers[layer].keys, k_ref), (cuts, layer)
+            assert torch.equal(cache.hf.layers[layer].values, v_ref), (cuts, layer)
+
+
+def test_long_prompt_is_chunked_beside_decoding_requests(setup):
+    """With a small row budget a long prompt is prefilled over several steps while the running requests keep
+    decoding every step; every request equals its solo run."""
+    target, drafters = setup
+    core = BatchedEngineCore(target, drafters, BatchConfig(max_num_seqs=4, max_batched_tokens=128))
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    short = target.encode_prompt("def add(a, b):", chat=False)
+    long = torch.randint(3, target.vocab_size, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    arrivals = {0: [EngineRequest("short", tuple(short), params, "dflash")]}
+    arrivals[1] = [EngineRequest("long", tuple(long), params, "ddtree")]
+    steps_with_both, results = 0, {}
+    core.add_request(arrivals[0][0])
+    step = 0
+    while core.has_unfinished() or step <= 1:
+        if step == 1:
+            core.add_request(arrivals[1][0])
+        outs = core.step()
+        results.update({o.request_id: o.result for o in outs if o.result is not None})
+        assert all(o.error is None for o in outs)
+        steps_with_both += core.last_step.seqs == 2 and core.last_step.prefills == 1
+        step += 1
+    assert steps_with_both >= 3  # the 200-token prompt took 64 + 64 + 64 + 8 rows, beside decode rounds
+    assert results["short"].token_ids == _solo(target, drafters, "dflash", short, params).token_ids
+    assert results["long"].token_ids == _solo(target, drafters, "ddtree", long, params).token_ids

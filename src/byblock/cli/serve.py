@@ -58,7 +58,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--max-queue", type=int, default=64, help="requests waiting beyond the running ones; more get a 503"
     )
     parser.add_argument(
-        "--max-batched-tokens", type=int, default=2048, help="batched: rows per forward (prompts wait beyond it)"
+        "--max-batched-tokens",
+        type=int,
+        default=2048,
+        help="batched: rows per forward (longer prompts are chunked, or wait with --no-enable-chunked-prefill)",
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="batched: prefill long prompts in chunks beside the decoding requests (default: on; each request "
+        "keeps its exact solo tokens)",
     )
     parser.add_argument(
         "--max-kv-tokens",
@@ -181,7 +191,10 @@ def _batch_config(args: argparse.Namespace):
     from byblock.engine.scheduler import BatchConfig
 
     return BatchConfig(
-        max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens, max_kv_tokens=args.max_kv_tokens
+        max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_batched_tokens,
+        max_kv_tokens=args.max_kv_tokens,
+        chunked_prefill=args.enable_chunked_prefill,
     )
 
 

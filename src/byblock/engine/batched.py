@@ -2,7 +2,8 @@
 
 One `step()` is the whole flow (nano-vllm's shape):
 
-    schedule   preempt for the KV budget; admit waiting requests (engine/scheduler.py)
+    schedule   preempt for the KV budget; the next chunk of prompts being prefilled; admit waiting requests
+               (engine/scheduler.py)
     draft      every running request proposes its own draft (its own drafter fork): chains, trees, nothing
     run        one packed forward over every request's rows: prompts, plain steps, ragged verify blocks, each
                against its own cache (models/adapter.py forward_packed, kernels/ragged.py); the LM head runs
@@ -31,7 +32,7 @@ from byblock.drafters.dflash import draft_blocks
 from byblock.engine.api import check_prompt_fits
 from byblock.engine.core import EngineRequest, RequestOutput
 from byblock.engine.scheduler import BatchConfig, Scheduler
-from byblock.engine.sequence import Round, Sequence
+from byblock.engine.sequence import Phase, Round, Sequence
 from byblock.errors import ByblockError
 from byblock.models.adapter import TargetModel
 from byblock.models.devices import device_clock
@@ -127,7 +128,7 @@ class BatchedEngineCore:
         sched = self.scheduler
         slack = {rid: seq.max_rows for rid, seq in self._seqs.items()}
         sched.preempt_for_kv(slack)
-        live = [s for s in sched.running if s.cache is not None]
+        live = [s for s in sched.running if s.phase is Phase.RUNNING]
         shares = self._draft_blocks(live, outputs)
         rounds: list[tuple[Sequence, Round]] = []
         for seq in live:
@@ -138,7 +139,9 @@ class BatchedEngineCore:
             except Exception as e:  # a drafter's failure fails its request, never the batch
                 outputs.append(self._fail(seq, e))
         rows = sum(len(r.segment.input_ids) for _, r in rounds)
-        rounds += [(seq, seq.plan(self.lazy_head, self.clock)) for seq in sched.admit(rows, slack)]
+        chunks = sched.prefills(rows)
+        chunks += sched.admit(rows + sum(n for _, n in chunks), slack)
+        rounds += [(seq, seq.plan_prefill(n)) for seq, n in chunks]
         if not rounds:
             return outputs
         starts, logits_rows, layers, total = [], [], set(), 0

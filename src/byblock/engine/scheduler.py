@@ -1,13 +1,18 @@
 """Which requests share the next forward: continuous batching under a sequence cap, a row budget and a KV
 budget (nano-vllm's scheduler, with vLLM v1's mixing of prompts and decode rounds in one step).
 
-Every step, every running request decodes (one round each). Waiting requests are then admitted first come
-first served while the batch has a free sequence slot, their prompt fits the step's remaining row budget (the
-first one is always admitted into an otherwise empty step, however long) and the KV budget holds their
-prompt. When the running requests' caches would outgrow the KV budget, the newest is preempted: its cache is
-dropped and it waits at the head of the queue to be recomputed (see engine/sequence.py: a recomputed request
-keeps its tokens and its generator, so it stays lossless; its K/V come from one prefill instead of its rounds,
-so its later logits may differ in the last bits from an unpreempted run).
+Every step, every running request decodes (one round each). Requests still prefilling then take their next
+chunk, and waiting requests are admitted first come first served while the batch has a free sequence slot,
+the step's remaining row budget holds their prompt or (chunked prefill, vLLM's default) at least one chunk,
+and the KV budget holds their whole prompt. Without chunking a prompt must fit whole (the first one is always
+admitted into an otherwise empty step, however long), so one long prompt stalls every decoding request for
+its whole prefill. Chunks are multiples of the attention's query tile (kernels/gqa_sdpa.py PREFILL_TILE), so
+a chunked prompt's K/V are bitwise those of one prefill forward on the fp32 packed kernels.
+
+When the running requests' caches would outgrow the KV budget, the newest is preempted: its cache is dropped
+and it waits at the head of the queue to be recomputed (see engine/sequence.py: a recomputed request keeps its
+tokens and its generator, so it stays lossless; its K/V come from one prefill instead of its rounds, so its
+later logits may differ in the last bits from an unpreempted run).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 
 from byblock.engine.sequence import Phase, Sequence
 from byblock.errors import InvalidParameterError
+from byblock.kernels.gqa_sdpa import PREFILL_TILE
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,7 @@ class BatchConfig:
     max_num_seqs: int = 16  # requests decoded together
     max_batched_tokens: int = 2048  # rows per forward: prompts are admitted while they fit beside the rounds
     max_kv_tokens: int | None = None  # cache slots of all running requests together (None: unbounded)
+    chunked_prefill: bool = True  # split prompts longer than the step's free rows into chunks
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -34,6 +41,11 @@ class BatchConfig:
             raise InvalidParameterError("--max-batched-tokens must be >= 1")
         if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
             raise InvalidParameterError("--max-kv-tokens must be >= 1")
+        if self.chunked_prefill and self.max_batched_tokens < PREFILL_TILE:
+            raise InvalidParameterError(
+                f"--max-batched-tokens must be >= {PREFILL_TILE} with chunked prefill "
+                "(or pass --no-enable-chunked-prefill)"
+            )
 
 
 class Scheduler:
@@ -74,22 +86,45 @@ class Scheduler:
             self.waiting.appendleft(victim)
             self.preemptions += 1
 
-    def admit(self, rows_used: int, slack: dict[str, int]) -> list[Sequence]:
-        """Move waiting requests into the batch for this step (see the module docstring); returns them."""
+    def chunk(self, left: int, rows_used: int, must_run: bool) -> int:
+        """Prefill rows a request with `left` rows still to prefill runs this step beside `rows_used` others
+        (0: it waits). must_run: it runs however full the step is (the step's first prompt, or a chunked
+        prompt already in the batch, which never stalls)."""
+        free = self.config.max_batched_tokens - rows_used
+        if left <= free:
+            return left
+        if not self.config.chunked_prefill:
+            return left if must_run else 0
+        rows = free // PREFILL_TILE * PREFILL_TILE
+        return min(left, max(rows, PREFILL_TILE)) if must_run else rows
+
+    def prefills(self, rows_used: int) -> list[tuple[Sequence, int]]:
+        """The next chunk of every running request still prefilling, oldest first, as (request, rows)."""
+        chunks = []
+        for seq in self.running:
+            if seq.phase is Phase.PREFILLING:
+                rows = self.chunk(seq.prefill_left, rows_used, must_run=True)
+                chunks.append((seq, rows))
+                rows_used += rows
+        return chunks
+
+    def admit(self, rows_used: int, slack: dict[str, int]) -> list[tuple[Sequence, int]]:
+        """Move waiting requests into the batch for this step (see the module docstring); returns them with
+        the prefill rows each runs now."""
         cfg = self.config
-        admitted: list[Sequence] = []
+        admitted: list[tuple[Sequence, int]] = []
         kv = self.kv_tokens() + sum(slack[s.request_id] for s in self.running)
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             seq = self.waiting[0]
-            rows = seq.kv_tokens
-            alone = rows_used == 0 and not admitted
-            if not alone and rows_used + rows > cfg.max_batched_tokens:
+            slots = seq.kv_tokens
+            rows = self.chunk(seq.prefill_left, rows_used, must_run=rows_used == 0 and not admitted)
+            if rows == 0:
                 break
-            if cfg.max_kv_tokens is not None and self.running and kv + rows > cfg.max_kv_tokens:
+            if cfg.max_kv_tokens is not None and self.running and kv + slots > cfg.max_kv_tokens:
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            admitted.append(seq)
+            admitted.append((seq, rows))
             rows_used += rows
-            kv += rows + slack[seq.request_id]
+            kv += slots + slack[seq.request_id]
         return admitted

@@ -4,9 +4,9 @@ A round is what one request contributes to one packed forward and what it does w
 of operations is the single-request loops' (engine/plain.py, engine/spec_loop.py), so a request computes in a
 batch exactly what it computes alone:
 
-    plan    prefill: the prompt                        -> rows: the last one (its logits pick the first token)
+    plan    prefill: the prompt, or its next chunk      -> rows: the last one (its logits pick the first token)
             decode:  [root, x_1 .. x_N] from propose()  -> rows: the ones verification reads first (CPU), or all
-    finish  prefill: choose the first token, start the drafter on the prompt's hidden states
+    finish  prefill: (last chunk) choose the first token, start the drafter on the prompt's hidden states
             decode:  verify → commit the accepted slots → observe → the accepted tokens + one target token
 """
 
@@ -33,6 +33,7 @@ class Phase(Enum):
     """Where a request is."""
 
     WAITING = "waiting"  # queued, or preempted: no cache
+    PREFILLING = "prefilling"  # a cache holding the first chunks of its prompt (chunked prefill)
     RUNNING = "running"  # prefilled: a cache and a root token
     FINISHED = "finished"
 
@@ -47,6 +48,7 @@ class Round:
     draft: Draft | None  # None: a prefill or a plain step
     prefill: bool
     draft_s: float = 0.0
+    prefill_done: bool = True  # a prefill round's segment ends the prompt (False: more chunks follow)
 
 
 def round_rows(drafter: Drafter | None) -> int:
@@ -82,6 +84,8 @@ class Sequence:
         self.phase = Phase.WAITING
         self.tokens: list[int] = []  # committed: prompt + generated (the last one is the root, not yet cached)
         self.cache: KVCache | None = None
+        self.prefilled = 0  # slots of the prefill source already in the cache (chunked prefill)
+        self._prefill_hidden: list[torch.Tensor] = []  # the earlier chunks' hidden states, for the drafter
         self.generator = make_generator(params.seed, model.device)
         self.select = TokenSelector(params, self.generator, prompt_ids, model)
         self.stats = SpecStats()
@@ -98,10 +102,36 @@ class Sequence:
         """Slots this request holds (or will hold once prefilled)."""
         return max(len(self.tokens), len(self.prompt_ids))
 
+    @property
+    def prefill_source(self) -> list[int]:
+        """What a prefill writes into the cache: the prompt, or after a preemption every committed token but
+        the root."""
+        return self.tokens[:-1] if self.tokens else self.prompt_ids
+
+    @property
+    def prefill_left(self) -> int:
+        """Prefill rows still to run (0 once decoding)."""
+        return 0 if self.phase is Phase.RUNNING else len(self.prefill_source) - self.prefilled
+
     def preempt(self) -> None:
         """Drop the cache; the next prefill recomputes every committed token but the root."""
         self.cache = None
         self.phase = Phase.WAITING
+        self.prefilled, self._prefill_hidden = 0, []
+
+    def plan_prefill(self, rows: int) -> Round:
+        """The next `rows` tokens of the prefill source (all that is left, or a chunk aligned to the attention
+        tiles, see kernels/gqa_sdpa.py) as this step's segment."""
+        if self.phase is Phase.WAITING:
+            self.cache = self.model.new_cache()
+            self.phase = Phase.PREFILLING
+        assert self.cache is not None
+        source = self.prefill_source
+        ids = source[self.prefilled : self.prefilled + rows]
+        done = self.prefilled + len(ids) == len(source)
+        logits = 1 if done and not self.tokens else 0  # a recomputed request's root is already chosen
+        segment = SegmentInput(self.cache, ids)
+        return Round(segment, rows=logits, past=self.prefilled, draft=None, prefill=True, prefill_done=done)
 
     def depth_budget(self) -> int:
         """The deepest draft this round may verify: never past what can still be emitted (the round adds one
@@ -120,10 +150,8 @@ class Sequence:
     def plan(self, lazy_head: bool, clock, drafted_s: float = 0.0) -> Round:
         """This step's segment: the prompt (or, after a preemption, the committed tokens) or a verify block.
         drafted_s: this request's share of a batched drafter forward that already ran for this round."""
-        if self.phase is Phase.WAITING:
-            self.cache = self.model.new_cache()
-            ids = self.tokens[:-1] if self.tokens else self.prompt_ids  # tokens: a preempted request's history
-            return Round(SegmentInput(self.cache, ids), rows=0 if self.tokens else 1, past=0, draft=None, prefill=True)
+        if self.phase is not Phase.RUNNING:
+            return self.plan_prefill(self.prefill_left)
         assert self.cache is not None
         root = self.tokens[-1]
         if self.drafter is None:
@@ -150,7 +178,13 @@ class Sequence:
         end = start + len(rnd.segment.input_ids)
         hidden = out.hidden[start:end][None] if out.hidden is not None else None  # [1, T, k*H]
         if rnd.prefill:
-            self.phase = Phase.RUNNING
+            self.prefilled += len(rnd.segment.input_ids)
+            if hidden is not None and (self._prefill_hidden or not rnd.prefill_done):
+                self._prefill_hidden.append(hidden)
+                hidden = torch.cat(self._prefill_hidden, dim=1) if rnd.prefill_done else None
+            if not rnd.prefill_done:
+                return []
+            self.phase, self._prefill_hidden = Phase.RUNNING, []
             if self.tokens:  # recomputed after a preemption: the root is already chosen
                 if self.drafter is not None:
                     self.drafter.start(self.tokens[:-1], hidden, self.params, self.generator)

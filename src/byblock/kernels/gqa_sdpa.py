@@ -7,6 +7,12 @@ back to `repeat_kv`: each layer copies its whole cached K and V `num_key_value_g
 CPU kernel handles GQA with a mask directly, with bitwise the same output (the grouped head reads the same keys
 in the same order): on one core at 300 cached tokens a 17-token verify's attention takes 0.44 ms per layer
 instead of 0.51, and at 1,000 tokens 1.0 ms instead of 1.7 (dev/LOG.md, session 14).
+
+Causal rows run in query tiles aligned to absolute positions (multiples of PREFILL_TILE): the tile of rows
+[a, b) always attends keys [0, b) in one kernel call with the same mask, whether the rows came in one prompt
+forward or in several chunks. Torch's CPU kernel blocks a call's queries by the call's length, so one
+600-token call and two 300-token calls round differently (~1e-6 in the logits); aligned tiles make chunked
+prefill (engine/scheduler.py) bitwise the unchunked one, so a chunked request still gets its solo tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch.nn.functional as F
 from byblock.kernels.ragged import BATCH_KWARG
 
 NAME = "byblock_sdpa"
+PREFILL_TILE = 64  # query rows per kernel call for causal rows; prefill chunks are multiples of it
 
 
 def gqa_sdpa_attention_forward(
@@ -43,6 +50,9 @@ def gqa_sdpa_attention_forward(
     causal = bool(t > 1 and attention_mask is None and causal)
     if causal and key.shape[2] != t:  # an unmasked causal call is a prefill over exactly its own tokens
         raise ValueError("unmasked causal attention needs as many keys as queries")
+    bool_mask = attention_mask is not None and attention_mask.dtype == torch.bool
+    if causal or (t > 1 and bool_mask):  # causal rows (a prompt, a chunk, a chain); additive tree masks run whole
+        return _causal_tiles(query, key, value, attention_mask, dropout, scaling), None
     groups = query.shape[1] // key.shape[1]
     if groups > 1 and attention_mask is not None and t == 1:
         # transformers' own path for one masked query (padded batched decoding): fold the group's heads into
@@ -63,6 +73,41 @@ def gqa_sdpa_attention_forward(
     )
     out = out.reshape(out.shape[0], -1, t, value.shape[-1])  # undoes the fold; a no-op otherwise
     return out.transpose(1, 2).contiguous(), None
+
+
+def _causal_tiles(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """The last T of S positions attending causally (mask None) or through a bool mask [B|1, 1, T, S], one
+    kernel call per aligned tile of rows (see the module docstring) -> [B, T, H, D]."""
+    t, s = query.shape[2], key.shape[2]
+    first = s - t  # absolute index of the first query row
+    outs, a = [], first
+    while a < s:
+        b = min(s, (a // PREFILL_TILE + 1) * PREFILL_TILE)
+        if mask is None:
+            tile = torch.ones(b - a, b, dtype=torch.bool, device=query.device).tril(diagonal=a)[None, None]
+        else:
+            tile = mask[..., a - first : b - first, :b]
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, a - first : b - first],
+                key[:, :, :b],
+                value[:, :, :b],
+                attn_mask=tile,
+                dropout_p=dropout,
+                scale=scaling,
+                enable_gqa=query.shape[1] != key.shape[1],
+            )
+        )
+        a = b
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    return out.transpose(1, 2).contiguous()
 
 
 def enable_gqa_sdpa(hf_model: torch.nn.Module) -> None:
