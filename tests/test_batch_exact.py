@@ -314,3 +314,13 @@ def test_long_prompt_is_chunked_beside_decoding_requests(setup):
     assert steps_with_both >= 3  # the 200-token prompt took 64 + 64 + 64 + 8 rows, beside decode rounds
     assert results["short"].token_ids == _solo(target, drafters, "dflash", short, params).token_ids
     assert results["long"].token_ids == _solo(target, drafters, "ddtree", long, params).token_ids
+
+
+def test_bf16_row_invariant_chunked_prefill_runs():
+    """Regression: a prefill chunk needs no logits, so the bf16 row-invariant LM head gets zero rows."""
+    target = make_target("llama", dtype=torch.bfloat16, row_invariant=True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (100, 5, 130)]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    results = generate(target, prompts, params, batch=BatchConfig(max_batched_tokens=64))
+    assert [len(r.token_ids) for r in results] == [6, 6, 6]

@@ -329,3 +329,25 @@ def test_load_model_warns_when_the_probe_fails(monkeypatch, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="byblock.models.loading"):
         loading.load_model(str(tmp_path / "ckpt"), dtype="bfloat16")
     assert "row invariance does not hold on this CPU (linear 8->8" in caplog.text
+
+
+def test_packed_rows_take_the_gemms_of_their_own_forward():
+    """In a packed forward of several sequences (bf16), a span whose lone forward is one GEMM (a prompt) is one
+    GEMM of exactly its rows, and every other row comes from a 2..ROW_CHUNK-row GEMM (a lone row duplicated)."""
+    from byblock.kernels.invariant import ROW_CHUNK
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1536, 96, bias=False).to(torch.bfloat16)
+    state = RowInvariance()
+    inv = RowInvariantLinear(lin, state)
+    x = torch.randn(1, 3 + 40 + 17 + 1, 1536, dtype=torch.bfloat16)
+    state.whole, state.rows = ((3, 43),), x.shape[1]
+    got = inv(x)[0]
+    assert torch.equal(got[3:43], F.linear(x[0, 3:43], lin.weight))  # the prompt: one GEMM, as alone
+    free = torch.cat([x[0, :3], x[0, 43:]])  # 21 rows: one GEMM of 21 rows
+    assert free.shape[0] <= ROW_CHUNK
+    want = F.linear(free, lin.weight)
+    assert torch.equal(torch.cat([got[:3], got[43:]]), want)
+    head = inv(x[:, :5])[0]  # not the forward's rows (an LM head over chosen rows): all in small GEMMs
+    assert torch.equal(head, F.linear(x[0, :5], lin.weight))
+    state.whole = None

@@ -65,3 +65,45 @@ def test_serve_cli_with_a_diffusion_checkpoint(tmp_path):
     assert lines and lines[-1]["drafter"] == "none" and lines[-1]["status"] == "ok"
     bad = subprocess.run([*cmd, "--port", str(free_port()), "--sampler", "threshold"], capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_serve_batches_a_mask_model_and_each_answer_is_its_solo_run():
+    """`byblock serve` runs the shipped mask model on the batched diffusion engine: concurrent clients share
+    forwards (the batch-size gauge) and each answer equals the library's solo decode on the same kernels."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from byblock.dllm.loading import load_dllm
+    from byblock.engine.dllm_batched import prepare_for_batching
+
+    puzzles = ["100006040000000300010000002030060004", "053002602010030000000003015006000020"]
+    puzzles += ["302050050060000306200000400000000004", "000000000000000000000000000000000000"]
+    loaded = load_dllm("sudoku6-mdm")
+    prepare_for_batching(loaded.denoiser)
+    tok = loaded.tokenizer
+    port = free_port()
+    cmd = [sys.executable, "-m", "byblock.cli.main", "serve", "--model", "sudoku6-mdm", "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--threshold", "0.7"], stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+        def ask(p: str):
+            return c.completions.create(model="sudoku6-mdm", prompt=p + "<sep>", max_tokens=36, temperature=0)
+
+        with ThreadPoolExecutor(len(puzzles)) as pool:
+            answers = list(pool.map(ask, puzzles))
+        import urllib.request
+
+        metrics = urllib.request.urlopen(f"{url}/metrics").read().decode()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "DllmBatchedEngineCore" in err
+    assert "byblock_batch_size" in metrics
+    cfg = DllmConfig(sampler=SamplerKind.THRESHOLD, threshold=0.7, max_new_tokens=36)
+    for p, got in zip(puzzles, answers, strict=True):
+        ids = tok(p + "<sep>", add_special_tokens=True)["input_ids"]
+        ref = diffusion_generate(loaded.denoiser, ids, cfg, loaded.eos_token_ids)
+        assert got.choices[0].text == tok.decode(ref.token_ids, skip_special_tokens=True), p
+        assert got.model_dump()["byblock"]["rounds"] == ref.nfe

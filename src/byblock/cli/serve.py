@@ -51,7 +51,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--engine",
         default="batched",
         choices=["batched", "fifo"],
-        help="batched: continuous batching, many requests per forward (default); fifo: one request at a time",
+        help="batched: continuous batching, many requests per forward (default; diffusion models where the model "
+        "and sampler allow: mask models with the exact block cache); fifo: one request at a time",
     )
     parser.add_argument("--max-num-seqs", type=int, default=16, help="batched: requests decoded together")
     parser.add_argument(
@@ -66,9 +67,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="batched: prefill long prompts in chunks beside the decoding requests (default: on; each request "
-        "keeps its exact solo tokens)",
+        default=None,
+        help="batched: prefill long prompts in chunks beside the decoding requests (default: where each request "
+        "keeps its exact solo tokens: on in fp32, off with the bf16 row-invariant kernels)",
     )
     parser.add_argument(
         "--max-kv-tokens",
@@ -121,10 +122,12 @@ def run(args: argparse.Namespace) -> int:
     from byblock.dllm.loading import is_dllm_checkpoint
 
     if is_dllm_checkpoint(args.model):
-        model, core, default = _dllm_core(args)
+        model, core, default = _dllm_core(args, batch)
     else:
         model, core, default = _ar_core(args, batch)
-    running = batch.max_num_seqs if args.engine == "batched" and not is_dllm_checkpoint(args.model) else 1
+    from byblock.engine.core import FifoEngineCore
+
+    running = 1 if isinstance(core, FifoEngineCore) else batch.max_num_seqs
     config = ServerConfig(
         model_name=args.served_model_name or args.model,
         default_drafter=default,
@@ -170,10 +173,12 @@ def _serve(app, host: str, port: int) -> None:
         web.join(timeout=10)
 
 
-def _dllm_core(args: argparse.Namespace):
-    """A diffusion model behind the same engine contract (the sampler flags set its decoding)."""
+def _dllm_core(args: argparse.Namespace, batch):
+    """A diffusion model behind the same engine contract (the sampler flags set its decoding): batched where
+    the model and sampler allow (engine/dllm_batched.py), else one request at a time."""
     from byblock.cli.generate_dllm import dllm_config
     from byblock.dllm.loading import load_dllm
+    from byblock.engine.dllm_batched import DllmBatchedEngineCore, batchable, prepare_for_batching
     from byblock.engine.dllm_core import DllmEngineCore
     from byblock.models.adapter import TargetModel
     from byblock.models.loading import DTYPES
@@ -183,6 +188,10 @@ def _dllm_core(args: argparse.Namespace):
     loaded = load_dllm(args.model, dtype=DTYPES[args.dtype], device=args.device)
     cfg = dllm_config(args, loaded, max_new_tokens=args.max_tokens or 512)
     tokenizing = TargetModel(loaded.denoiser.hf, loaded.tokenizer, name=args.model)  # the handlers' tokenizer view
+    if args.engine == "batched" and batchable(loaded.denoiser, cfg):
+        prepare_for_batching(loaded.denoiser)
+        core = DllmBatchedEngineCore(loaded.denoiser, loaded.tokenizer, loaded.eos_token_ids, cfg, batch)
+        return tokenizing, core, "none"
     return tokenizing, DllmEngineCore(loaded.denoiser, loaded.tokenizer, loaded.eos_token_ids, cfg), "none"
 
 

@@ -21,8 +21,7 @@ import torch
 
 from byblock.dllm.config import MASK_SAMPLERS, DllmConfig, SamplerKind
 from byblock.dllm.denoisers import Denoiser
-from byblock.dllm.low_confidence import transfer_schedule
-from byblock.dllm.mask_step import make_rule, propose
+from byblock.dllm.mask_step import MaskBlock
 from byblock.dllm.renoise import init_state, renoise_step
 from byblock.errors import InvalidParameterError
 from byblock.sampling.processors import make_generator
@@ -114,24 +113,11 @@ def diffusion_generate(
 
 def _mask_block(session, model: Denoiser, block: int, cfg: DllmConfig, generator) -> tuple[list[int], int]:
     """Fill one all-MASK canvas; every step reveals >= 1 token, so at most `block` steps (or cfg.steps)."""
-    mask_id = model.mask_token_id
-    assert mask_id is not None
-    rule = make_rule(cfg)
-    device = session.device
-    canvas = torch.full((1, block), mask_id, device=device)
-    steps_cap = cfg.steps or block
-    schedule = transfer_schedule(block, steps_cap) if cfg.sampler is SamplerKind.LOW_CONFIDENCE else None
-    steps = 0
-    while bool((canvas == mask_id).any()):
-        logits = session.denoise(canvas, None)  # [1, L, V]
-        tokens, conf, ent = propose(logits, cfg.temperature, mask_id, generator)
-        masked = canvas == mask_id
-        k = torch.tensor([schedule[steps] if schedule and steps < len(schedule) else block], device=device)
-        capped = schedule is None and steps + 1 >= steps_cap  # the step cap: decide everything left
-        reveal = masked if capped else rule(conf, masked, ent, k)
-        canvas = torch.where(reveal, tokens, canvas)
-        steps += 1
-    return canvas[0].tolist(), steps
+    assert model.mask_token_id is not None
+    state = MaskBlock(cfg, block, model.mask_token_id, generator, session.device)
+    while not state.done:
+        state.step(session.denoise(state.canvas, None))  # [1, L, V]
+    return state.canvas[0].tolist(), state.steps
 
 
 def _renoise_block(session, model: Denoiser, block: int, cfg: DllmConfig, generator) -> tuple[list[int], int]:

@@ -58,7 +58,7 @@ class BatchedEngineCore:
         self.drafters = {"none": None, **drafters}
         self.drafter_names = tuple(self.drafters)
         self.config = config or BatchConfig()
-        self.scheduler = Scheduler(self.config)
+        self.scheduler = Scheduler(self.config, chunk_exact=not model.row_invariant)
         self._seqs: dict[str, Sequence] = {}
         self._failed: list[RequestOutput] = []  # requests refused at add time, reported by the next step
         self.clock = device_clock(model.device)

@@ -3,11 +3,12 @@ budget (nano-vllm's scheduler, with vLLM v1's mixing of prompts and decode round
 
 Every step, every running request decodes (one round each). Requests still prefilling then take their next
 chunk, and waiting requests are admitted first come first served while the batch has a free sequence slot,
-the step's remaining row budget holds their prompt or (chunked prefill, vLLM's default) at least one chunk,
+the step's remaining row budget holds their prompt or (chunked prefill) at least one chunk,
 and the KV budget holds their whole prompt. Without chunking a prompt must fit whole (the first one is always
 admitted into an otherwise empty step, however long), so one long prompt stalls every decoding request for
 its whole prefill. Chunks are multiples of the attention's query tile (kernels/gqa_sdpa.py PREFILL_TILE), so
-a chunked prompt's K/V are bitwise those of one prefill forward on the fp32 packed kernels.
+a chunked prompt's K/V are bitwise those of one prefill forward on the fp32 packed kernels; chunking is on by
+default there and off with the bf16 row-invariant kernels (measured: benchmarks/RESULTS.md §5c).
 
 When the running requests' caches would outgrow the KV budget, the newest is preempted: its cache is dropped
 and it waits at the head of the queue to be recomputed (see engine/sequence.py: a recomputed request keeps its
@@ -32,7 +33,9 @@ class BatchConfig:
     max_num_seqs: int = 16  # requests decoded together
     max_batched_tokens: int = 2048  # rows per forward: prompts are admitted while they fit beside the rounds
     max_kv_tokens: int | None = None  # cache slots of all running requests together (None: unbounded)
-    chunked_prefill: bool = True  # split prompts longer than the step's free rows into chunks
+    # Split prompts longer than the step's free rows into chunks. None: where chunks are bitwise one prefill
+    # (byblock's fp32 attention; not the bf16 row-invariant one, whose prompt path is another kernel).
+    chunked_prefill: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -41,7 +44,7 @@ class BatchConfig:
             raise InvalidParameterError("--max-batched-tokens must be >= 1")
         if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
             raise InvalidParameterError("--max-kv-tokens must be >= 1")
-        if self.chunked_prefill and self.max_batched_tokens < PREFILL_TILE:
+        if self.chunked_prefill is True and self.max_batched_tokens < PREFILL_TILE:
             raise InvalidParameterError(
                 f"--max-batched-tokens must be >= {PREFILL_TILE} with chunked prefill "
                 "(or pass --no-enable-chunked-prefill)"
@@ -51,8 +54,11 @@ class BatchConfig:
 class Scheduler:
     """The waiting queue and the running batch."""
 
-    def __init__(self, config: BatchConfig) -> None:
+    def __init__(self, config: BatchConfig, chunk_exact: bool = True) -> None:
+        """chunk_exact: whether the model's chunked prefill is bitwise one prefill (decides chunked_prefill=None)."""
         self.config = config
+        auto = chunk_exact and config.max_batched_tokens >= PREFILL_TILE
+        self.chunked = auto if config.chunked_prefill is None else config.chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.preemptions = 0
@@ -93,7 +99,7 @@ class Scheduler:
         free = self.config.max_batched_tokens - rows_used
         if left <= free:
             return left
-        if not self.config.chunked_prefill:
+        if not self.chunked:
             return left if must_run else 0
         rows = free // PREFILL_TILE * PREFILL_TILE
         return min(left, max(rows, PREFILL_TILE)) if must_run else rows

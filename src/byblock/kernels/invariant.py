@@ -67,11 +67,37 @@ class RowInvariantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
         rows = x.numel() // self.in_features
+        if rows == 0:  # e.g. the LM head of a prefill chunk that needs no logits
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        if self.state is not None and self.state.whole is not None:  # a packed forward of several sequences
+            return self._packed(x.reshape(rows, self.in_features), self.state.whole).view(*x.shape[:-1], -1)
         if 2 <= rows <= ROW_CHUNK or (rows > ROW_CHUNK and self.state is not None and self.state.plan is None):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
         out = torch.cat([self._rows(flat[i : i + ROW_CHUNK]) for i in range(0, rows, ROW_CHUNK)])
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _packed(self, x: torch.Tensor, whole: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """A packed forward's rows, each computed as in its own sequence's forward: the `whole` spans (a
+        sequence whose lone forward runs them as one GEMM) as one GEMM each; every other row among
+        2..ROW_CHUNK-row GEMMs, which give a row the same bits whichever rows it shares them with. Other rows
+        than the forward's (the LM head's chosen rows) are all of the second kind."""
+        spans = whole if self.state is not None and x.shape[0] == self.state.rows else ()
+        parts, free, at = [], [], 0
+        for a, b in (*spans, (x.shape[0], x.shape[0])):
+            free.extend(range(at, a))
+            if b > a:
+                parts.append((torch.arange(a, b, device=x.device), F.linear(x[a:b], self.weight, self.bias)))
+            at = b
+        if free:
+            idx = torch.tensor(free, device=x.device)
+            rest = x[idx]
+            out = torch.cat([self._rows(rest[i : i + ROW_CHUNK]) for i in range(0, len(free), ROW_CHUNK)])
+            parts.append((idx, out))
+        y = x.new_empty(x.shape[0], self.out_features)
+        for idx, val in parts:
+            y[idx] = val
+        return y
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:  # [1..ROW_CHUNK, in] -> [same, out]
         if x.shape[0] > 1:
@@ -123,9 +149,13 @@ class RowPlan:
 
 @dataclass
 class RowInvariance:
-    """A model's row-invariance state: the RowPlan of the forward in flight (the adapter sets it)."""
+    """A model's row-invariance state: the RowPlan of the forward in flight (the adapter sets it), and in a
+    packed forward of several sequences (models/adapter.py forward_packed) its row count and the spans of rows
+    whose lone forward runs them as one GEMM (a prompt, a block deeper than ALIGN)."""
 
     plan: RowPlan | None = None
+    whole: tuple[tuple[int, int], ...] | None = None  # None: not a packed forward
+    rows: int = 0
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from byblock.kernels.gqa_sdpa import NAME as GQA_SDPA
 from byblock.kernels.gqa_sdpa import gqa_sdpa_attention_forward
 from byblock.kernels.invariant import NAME as INVARIANT_ATTENTION
-from byblock.kernels.invariant import RowPlan
+from byblock.kernels.invariant import ROW_CHUNK, RowPlan
 from byblock.kernels.ragged import BATCH_KWARG, PackedBatch, Segment
 from byblock.kv.h2o import H2OState, tree_parents
 from byblock.kv.kv_cache import KVCache, StreamingWindow
@@ -405,6 +405,28 @@ class TargetModel:
             start += t
         ids = torch.tensor([parts], device=dev)
         positions = torch.cat(pos)[None]
+        if invariant:  # bf16 linears: each sequence's rows in the GEMMs its own forward would use
+            state = self.hf.config.byblock_row_invariance
+            lone = [s.row_plan is None and s.end - s.start > ROW_CHUNK for s in plan]
+            state.whole = tuple((s.start, s.end) for s, one in zip(plan, lone, strict=True) if one)
+            state.rows = start
+            try:
+                return self._forward_segments(plan, ids, positions, logits_rows, hidden_layers, keep_final)
+            finally:
+                state.whole = None
+        return self._forward_segments(plan, ids, positions, logits_rows, hidden_layers, keep_final)
+
+    def _forward_segments(
+        self,
+        plan: list[Segment],
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_rows: list[int],
+        hidden_layers: tuple[int, ...],
+        keep_final: bool,
+    ) -> PackedOutput:
+        """The packed forward itself, over segments whose masks and caches are ready."""
+        dev = self.device
         # A prepared 4D mask makes transformers skip building one over the packed rows (attention ignores it).
         skip = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev)
         keep = torch.tensor(logits_rows, dtype=torch.long, device=dev)

@@ -29,6 +29,7 @@ from byblock import __version__
 from byblock.engine.api import check_prompt_fits
 from byblock.engine.batched import BatchedEngineCore
 from byblock.engine.core import EngineCore, EngineRequest, RequestOutput
+from byblock.engine.dllm_batched import DllmBatchedEngineCore
 from byblock.engine.types import GenerationResult
 from byblock.errors import ByblockError, ContextLengthError
 from byblock.models.adapter import TargetModel
@@ -71,7 +72,7 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
     the caller runs the loop (`app.state.engine.run`), as `byblock serve` does on its main thread."""
     engine = AsyncEngine(core, own_thread=engine_thread)
     metrics = ServerMetrics(core.num_waiting, core.num_running, config.model_name, model.max_context)
-    if isinstance(core, BatchedEngineCore):
+    if isinstance(core, (BatchedEngineCore, DllmBatchedEngineCore)):
         metrics.watch_batches(core)
     pending: set[str] = set()  # request ids handed to the engine, not finished (the event loop's: no lock needed)
     if config.default_drafter not in core.drafter_names:
