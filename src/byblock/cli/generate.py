@@ -10,6 +10,7 @@ from byblock.cli import speculative_args
 from byblock.cli.dtype_args import add_dtype_args, relayout, resolve_placement, row_invariant
 from byblock.cli.sampling_args import add_sampling_args, sampling_params
 from byblock.cli.sparse_args import add_sparse_args, enable_sparse
+from byblock.cli.verify_args import add_verify_args, guard_config
 from byblock.models.registry import DEFAULT_MODEL
 
 DRAFT_STYLE = "\x1b[1;32m"  # accepted draft tokens: bold green
@@ -52,6 +53,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--highlight", action="store_true", help="colour tokens that came from accepted drafts")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow hub checkpoints to run code")
     speculative_args.add_arg(parser)
+    add_verify_args(parser)
     add_sampling_args(parser)
     add_sparse_args(parser)
     from byblock.cli.generate_dllm import add_dllm_args
@@ -76,6 +78,11 @@ def run(args: argparse.Namespace) -> int:
     from byblock.models.loading import load_model
 
     params = sampling_params(args, args.max_new_tokens or 256)
+    guard = guard_config(args)
+    if guard is not None and args.drafter == "none":
+        from byblock.errors import InvalidParameterError
+
+        raise InvalidParameterError("--verify specguard needs a drafter (e.g. --drafter dflash)")
     speculative_args.apply_to_generate(args)
     spec = DrafterSpec.parse(
         args.drafter,
@@ -97,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     )
     density = enable_sparse(model, args)
     drafter = build_drafter(spec, model, dtype=args.dtype)
-    gen = stream(model, args.prompt, params, drafter=drafter, chat=not args.no_chat)
+    gen = stream(model, args.prompt, params, drafter=drafter, chat=not args.no_chat, guard=guard)
     out = sys.stdout
     for ev in gen:
         if args.json:
@@ -114,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     spec_part = ""
     if res.drafter != "none":
         spec_part = f", drafter {res.drafter}, τ {res.stats.mean_accepted:.2f} over {res.stats.rounds} rounds"
+        if guard is not None:
+            spec_part += f", specguard kept {res.stats.guard_tokens} tokens lossless verification would not"
     sys.stderr.write(
         f"\n[{res.num_new_tokens} new tokens, ttft {res.ttft_s:.3f}s, {res.tokens_per_s:.1f} tok/s, "
         f"finish {res.finish_reason.value}{spec_part}]\n"

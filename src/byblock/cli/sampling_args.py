@@ -89,6 +89,8 @@ def refuse_for_dllm(args: argparse.Namespace) -> None:
         for k in ("stop_token_id", "ignore_eos", "logprobs", "json_schema", "json_object", "regex", "choice", "grammar")
         if getattr(args, k) not in (None, False, [])
     ]
+    if getattr(args, "verify", "lossless") != "lossless":
+        used.append("verify")
     if used:
         flags = ", ".join("--" + k.replace("_", "-") for k in used)
         raise ByblockError(f"{flags}: not supported by diffusion-model sampling")

@@ -22,6 +22,7 @@ from byblock.sampling.processors import make_generator
 
 if TYPE_CHECKING:
     from byblock.engine.scheduler import BatchConfig
+    from byblock.verify.specguard import SpecGuardConfig
 
 
 def check_prompt_fits(model: TargetModel, prompt_ids: list[int]) -> None:
@@ -45,10 +46,15 @@ class Generation:
         params: SamplingParams,
         drafter: Drafter | None = None,
         chat: bool = True,
+        guard: SpecGuardConfig | None = None,
     ) -> None:
+        """guard: SpecGuard's step-level acceptance for the drafter's chains (lossy, verify/specguard.py)."""
+        if guard is not None and drafter is None:
+            raise InvalidParameterError("--verify specguard needs a drafter")
         self.model = model
         self.params = params
         self.drafter = drafter
+        self.guard = guard
         self.prompt_ids = model.encode_prompt(prompt, chat) if isinstance(prompt, str) else list(prompt)
         check_prompt_fits(model, self.prompt_ids)
         self.result: GenerationResult | None = None
@@ -61,7 +67,7 @@ class Generation:
         if self.drafter is None:
             loop = plain_decode(model, self.prompt_ids, params, generator, stats)
         else:
-            loop = speculative_decode(model, self.drafter, self.prompt_ids, params, generator, stats)
+            loop = speculative_decode(model, self.drafter, self.prompt_ids, params, generator, stats, self.guard)
         try:
             for ev in loop:
                 delta = out.push(ev)
@@ -84,9 +90,11 @@ def stream(
     *,
     drafter: Drafter | None = None,
     chat: bool = True,
+    guard: SpecGuardConfig | None = None,
 ) -> Generation:
-    """Start a request; iterate the returned Generation for text deltas (its `.result` once exhausted)."""
-    return Generation(model, prompt, params or SamplingParams(), drafter, chat)
+    """Start a request; iterate the returned Generation for text deltas (its `.result` once exhausted).
+    guard: SpecGuard's lossy step-level acceptance (verify/specguard.py); None: lossless."""
+    return Generation(model, prompt, params or SamplingParams(), drafter, chat, guard)
 
 
 def generate(
@@ -97,18 +105,22 @@ def generate(
     drafter: Drafter | None = None,
     chat: bool = True,
     batch: BatchConfig | None = None,
+    guard: SpecGuardConfig | None = None,
 ) -> GenerationResult | list[GenerationResult]:
     """Run a request to completion and return its GenerationResult.
 
     A list of prompts (strings or token-id lists) is decoded together by the batched engine
     (engine/batched.py), with one SamplingParams for all or one per prompt, and returns one result per prompt
     in order (vLLM's `LLM.generate` shape). Each gets the tokens it would get alone; `drafter` is forked per
-    request (Drafter.fork), so the object passed in keeps no request's state."""
+    request (Drafter.fork), so the object passed in keeps no request's state. guard: SpecGuard's step-level
+    acceptance (one prompt; NOT lossless, verify/specguard.py)."""
     if _is_batch(prompt):
+        if guard is not None:
+            raise InvalidParameterError("SpecGuard runs one request at a time (no batched prompts)")
         return generate_batch(model, list(prompt), params, drafter=drafter, chat=chat, batch=batch)
     if params is not None and not isinstance(params, SamplingParams):
         raise InvalidParameterError("one prompt takes one SamplingParams")
-    gen = stream(model, prompt, params, drafter=drafter, chat=chat)  # type: ignore[arg-type]
+    gen = stream(model, prompt, params, drafter=drafter, chat=chat, guard=guard)  # type: ignore[arg-type]
     for _ in gen:
         pass
     assert gen.result is not None

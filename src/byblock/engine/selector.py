@@ -6,6 +6,8 @@ object, so a request makes the same choices whichever loop runs it:
     choose   one row  -> adjust (penalties, logit bias, grammar mask) -> argmax or draw -> TokenEvent (+ logprob)
     trim     a drafted chain -> cut at the first token the grammar refuses (it could never be accepted)
     verify   N+1 rows -> adjust each row with its own path -> verify(draft) -> a + 1 TokenEvents
+             (with a SpecGuardConfig, then the step check may keep more of a chain: NOT lossless,
+             verify/specguard.py)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from byblock.sampling.penalties import Penalties
 from byblock.sampling.processors import choose
 from byblock.verify import Draft, TargetRows, Verdict, verify
 from byblock.verify.rows import AdjustedRows
+from byblock.verify.specguard import SpecGuardConfig, delimiter_ids, guarded_length, guarded_verdict
 
 
 class TokenSelector:
@@ -31,8 +34,10 @@ class TokenSelector:
         generator: torch.Generator | None,
         prompt_ids: list[int],
         target,
+        guard: SpecGuardConfig | None = None,
     ) -> None:
-        """target: the TargetModel (its vocabulary, device, tokenizer and EOS ids)."""
+        """target: the TargetModel (its vocabulary, device, tokenizer and EOS ids); guard: SpecGuard's
+        step-level acceptance (lossy, opt-in)."""
         self.params = params
         self.generator = generator
         vocab, dev = target.vocab_size, target.device
@@ -44,6 +49,9 @@ class TokenSelector:
             self.grammar = Constraint(params.grammar, target.tokenizer, vocab, tuple(target.eos_token_ids), dev)
         self.adjusted = self.penalties is not None or self.grammar is not None
         self.k = params.logprobs
+        self.guard = guard
+        self.guard_ends = delimiter_ids(target.tokenizer, guard) if guard is not None else frozenset()
+        self.guard_tokens = 0  # drafted tokens kept by the step check beyond what lossless verification kept
 
     def _adjust(self, logits: torch.Tensor, path: list[int]) -> torch.Tensor:
         if self.penalties is not None:
@@ -80,6 +88,13 @@ class TokenSelector:
         if self.adjusted:
             adjusted = AdjustedRows(rows, self._adjust, draft.tokens.tolist(), draft.parents.tolist())
         verdict = verify(draft, adjusted, self.params, self.generator)
+        if self.guard is not None and draft.is_chain and draft.num_nodes > verdict.num_accepted:
+            a = verdict.num_accepted
+            keep = guarded_length(draft, adjusted, a, self.guard_ends, self.guard)
+            if keep > a:
+                bonus = choose(adjusted[keep], self.params, self.generator)  # the row after the kept step
+                verdict = guarded_verdict(draft, keep, bonus)
+                self.guard_tokens += keep - a
         self._commit(verdict.tokens)
         a = verdict.num_accepted
         if self.k is None:

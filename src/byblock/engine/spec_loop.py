@@ -24,6 +24,7 @@ from byblock.models.adapter import TargetModel
 from byblock.models.devices import device_clock
 from byblock.sampling.params import SamplingParams
 from byblock.verify import Draft, TargetRows
+from byblock.verify.specguard import SpecGuardConfig
 
 
 def speculative_decode(
@@ -33,9 +34,11 @@ def speculative_decode(
     params: SamplingParams,
     generator: torch.Generator | None,
     stats: SpecStats,
+    guard: SpecGuardConfig | None = None,
 ) -> Iterator[TokenEvent]:
     """Yield tokens, several per target forward; output identical (greedy) / equal in law (sampling)
-    to plain_decode. The consumer stops by closing the iterator, mid-block if it likes."""
+    to plain_decode. The consumer stops by closing the iterator, mid-block if it likes. guard: SpecGuard's
+    step-level acceptance instead (NOT lossless, verify/specguard.py)."""
     layers = drafter.hidden_layers
     dev = target.device  # draft metadata (tokens, parents, paths) stays on the host; what the model reads goes here
     clock = device_clock(dev)  # on a GPU, waits for the queued work: draft and verify times are the device's
@@ -43,7 +46,7 @@ def speculative_decode(
     # costs about what one row does, and dense logits let greedy verification sync once per round.
     lazy_head = dev.type == "cpu"
     cache = target.new_cache()
-    select = TokenSelector(params, generator, prompt_ids, target)  # penalties, grammar, sampling, logprobs
+    select = TokenSelector(params, generator, prompt_ids, target, guard)  # penalties, grammar, sampling, logprobs
     out = target.forward(
         torch.tensor([prompt_ids], device=dev), cache, logits_to_keep=1, hidden_layers=layers
     )  # logits [1, 1, V]; hidden [1, T, k*H] or None
@@ -86,6 +89,7 @@ def speculative_decode(
         t2 = clock()
         depth = int(node_depths.max()) if draft.num_nodes else 0
         stats.record(depth, draft.num_nodes, verdict.num_accepted, t1 - t0, t2 - t1)
+        stats.guard_tokens = select.guard_tokens
 
         for event in events:
             tokens.append(event.token_id)

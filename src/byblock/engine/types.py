@@ -36,6 +36,7 @@ class SpecStats:
     position_accepted: list[int] = field(default_factory=list)  # rounds that accepted depth d+1
     draft_s: float = 0.0
     verify_s: float = 0.0
+    guard_tokens: int = 0  # SpecGuard: drafted tokens kept by the (lossy) step check beyond lossless acceptance
 
     def record(self, draft_depth: int, num_nodes: int, accepted: int, draft_s: float, verify_s: float) -> None:
         """Add one verification round."""
@@ -121,6 +122,7 @@ class GenerationResult:
             "num_draft_accepted": sum(self.from_draft),
             "draft_s": round(s.draft_s, 6),
             "verify_s": round(s.verify_s, 6),
+            **({"lossy_guard_tokens": s.guard_tokens} if s.guard_tokens else {}),
             **({"logprobs": [_logprob_json(lp) for lp in self.logprobs]} if self.logprobs is not None else {}),
         }
 
