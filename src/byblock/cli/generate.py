@@ -78,11 +78,11 @@ def run(args: argparse.Namespace) -> int:
     from byblock.models.loading import load_model
 
     params = sampling_params(args, args.max_new_tokens or 256)
-    guard = guard_config(args)
-    if guard is not None and args.drafter == "none":
+    if args.verify != "lossless" and args.drafter == "none":
         from byblock.errors import InvalidParameterError
 
         raise InvalidParameterError("--verify specguard needs a drafter (e.g. --drafter dflash)")
+    guard = guard_config(args)
     speculative_args.apply_to_generate(args)
     spec = DrafterSpec.parse(
         args.drafter,
