@@ -114,3 +114,23 @@ def test_kernel_compiles_into_a_fresh_cache_and_degrades_without_gxx(kernel, tmp
     from byblock.kernels import quant_gemm
 
     assert quant_gemm.load_quant_kernel.__wrapped__() is None  # the same builder: no g++, no kernel
+
+
+@pytest.mark.parametrize("n,k", [(1536, 576), (576, 1536), (150, 37), (17, 64), (49152 // 64, 576)])
+def test_avx512_build_is_bitwise_the_avx2_build(n, k):
+    """The AVX-512 build's many-rows path (16-lane registers, 12 rows x 2 panels per pass, row blocks) computes
+    every output by the same FMA chain over k: bit for bit the AVX2 build, at every row count."""
+    from byblock.kernels.cpu_features import cpu_flags
+
+    if "avx512f" not in (cpu_flags() or frozenset()):
+        pytest.skip("this CPU has no AVX-512")
+    a2, a5 = load_kernel("avx2"), load_kernel("avx512")
+    if a2 is None or a5 is None:
+        pytest.skip("byblock's packed GEMM does not build here")
+    assert (a2.isa, a5.isa) == ("avx2", "avx512")
+    torch.manual_seed(0)
+    w, b = torch.randn(n, k), torch.randn(n)
+    l2, l5 = PackedLinear(w, b, a2), PackedLinear(w, b, a5)
+    for m in (1, 2, 5, 15, 16, 17, 24, 95, 96, 97, 200, 300):
+        x = torch.randn(m, k)
+        assert torch.equal(l2(x), l5(x)), m

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from byblock.kernels.build import load_library
+from byblock.kernels.build import AVX2_FLAGS, load_library
+from byblock.kernels.cpu_features import cpu_flags
 
 ALIGN_BYTES = 32  # aligned AVX loads from the packed panels
 
@@ -38,6 +39,7 @@ class PackedGemm:
         library.byblock_packed_linear.argtypes = [vp, i64, i64, vp, i64, vp, vp, ctypes.c_int]
         library.byblock_packed_linear.restype = None
         self.panel = int(library.byblock_panel_width())
+        self.isa = "avx512" if library.byblock_packed_isa() == 512 else "avx2"
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [N, K] fp32 -> packed panels [ceil(N/16) * K * 16], 32-byte aligned."""
@@ -74,10 +76,20 @@ class PackedGemm:
         return y.view(*x.shape[:-1], out_features)
 
 
+ISA_FLAGS = {"avx2": AVX2_FLAGS, "avx512": (*AVX2_FLAGS, "-mavx512f")}
+
+
+def best_isa() -> str:
+    """The widest build this CPU runs: "avx512" (a 16-lane path for many rows) or "avx2" (the portable one)."""
+    return "avx512" if "avx512f" in (cpu_flags() or frozenset()) else "avx2"
+
+
 @functools.cache
-def load_kernel() -> PackedGemm | None:
-    """The packed GEMM for this CPU, compiled on first use; None where it cannot run (reason logged once)."""
-    library = load_library("packed_gemm")
+def load_kernel(isa: str | None = None) -> PackedGemm | None:
+    """The packed GEMM for this CPU (or the named build), compiled on first use; None where it cannot run
+    (reason logged once). Both builds compute every output by the same FMA chain: bitwise equal."""
+    isa = isa or best_isa()
+    library = load_library("packed_gemm", ISA_FLAGS[isa])
     return None if library is None else PackedGemm(library)
 
 

@@ -10,6 +10,11 @@
 //
 // Row invariance: every output element is one FMA chain over k = 0..K-1 in order, whatever MR or the number
 // of rows in the call. A token's logits are therefore bit-identical in a plain step and in a k-token verify.
+//
+// Session 26: many rows (a prefill) on an AVX-512 build take `many_rows_512`: one 16-lane register per panel
+// row, up to 12 rows x 2 panels per pass, rows in blocks that stay in L2 while every panel streams past them
+// (the AVX2 path re-read all of x once per panel). Each output is still the same FMA chain over k in order
+// (an FMA rounds once per lane whatever the register width), so the two builds and both paths agree bit for bit.
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -140,9 +145,113 @@ void rows_pass(int64_t rows, const float* x, const float* panel, int64_t K, floa
   }
 }
 
+#ifdef __AVX512F__
+constexpr int MR512 = 12;  // rows per pass: 24 accumulators + 2 weight registers + 1 broadcast of 32
+constexpr int64_t ROW_BLOCK = 96;  // rows whose x stays in L2 while the panels stream past them
+constexpr int64_t MANY_ROWS = 16;  // from here on the AVX-512 path; fewer rows stay on the AVX2 passes, whose prefetching
+                                    // streams a weight from memory faster (the 49152-row LM head at 4-8 rows)
+
+inline void store512(__m512 c, float* y, int ncols, const float* bias) {
+  alignas(64) float t[NR];
+  _mm512_store_ps(t, c);
+  if (bias)
+    for (int j = 0; j < ncols; ++j) t[j] += bias[j];
+  memcpy(y, t, ncols * sizeof(float));
+}
+
+#define BYBLOCK_R512(i)                                        \
+  if (MR > i) {                                                \
+    const __m512 s = _mm512_set1_ps(x[i * K + k]);             \
+    a##i = _mm512_fmadd_ps(s, wa, a##i);                       \
+    if (TWO) b##i = _mm512_fmadd_ps(s, wb, b##i);              \
+  }
+#define BYBLOCK_S512(i)                                                                     \
+  if (MR > i) {                                                                             \
+    store512(a##i, y + i * ldy, TWO ? NR : ncols, bias);                                    \
+    if (TWO) store512(b##i, y + i * ldy + NR, NR, bias ? bias + NR : nullptr);              \
+  }
+
+// MR rows x one panel (TWO = false; ncols <= 16) or two full panels (TWO = true).
+template <int MR, bool TWO>
+void rows_x_panels_512(const float* __restrict x, const float* __restrict pa, int64_t K, float* y, int64_t ldy,
+                       int ncols, const float* bias) {
+  const __m512 z = _mm512_setzero_ps();
+  __m512 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z, a8 = z, a9 = z, a10 = z, a11 = z;
+  __m512 b0 = z, b1 = z, b2 = z, b3 = z, b4 = z, b5 = z, b6 = z, b7 = z, b8 = z, b9 = z, b10 = z, b11 = z;
+  const float* pb = pa + K * NR;
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 wa = _mm512_loadu_ps(pa + k * NR);
+    const __m512 wb = TWO ? _mm512_loadu_ps(pb + k * NR) : z;
+    BYBLOCK_R512(0) BYBLOCK_R512(1) BYBLOCK_R512(2) BYBLOCK_R512(3) BYBLOCK_R512(4) BYBLOCK_R512(5)
+    BYBLOCK_R512(6) BYBLOCK_R512(7) BYBLOCK_R512(8) BYBLOCK_R512(9) BYBLOCK_R512(10) BYBLOCK_R512(11)
+  }
+  BYBLOCK_S512(0) BYBLOCK_S512(1) BYBLOCK_S512(2) BYBLOCK_S512(3) BYBLOCK_S512(4) BYBLOCK_S512(5)
+  BYBLOCK_S512(6) BYBLOCK_S512(7) BYBLOCK_S512(8) BYBLOCK_S512(9) BYBLOCK_S512(10) BYBLOCK_S512(11)
+}
+
+template <bool TWO>
+void pass_512(int64_t rows, const float* x, const float* pa, int64_t K, float* y, int64_t ldy, int ncols,
+              const float* bias) {
+  switch (rows) {
+    case 1: rows_x_panels_512<1, TWO>(x, pa, K, y, ldy, ncols, bias); break;
+    case 2: rows_x_panels_512<2, TWO>(x, pa, K, y, ldy, ncols, bias); break;
+    case 3: rows_x_panels_512<3, TWO>(x, pa, K, y, ldy, ncols, bias); break;
+    case 4: rows_x_panels_512<4, TWO>(x, pa, K, y, ldy, ncols, bias); break;
+    case 5: rows_x_panels_512<5, TWO>(x, pa, K, y, ldy, ncols, bias); break;
+    case 6: rows_x_panels_512<6, TWO>(x, pa, K, y, ldy, ncols, bias); break;
+    case 7: rows_x_panels_512<7, TWO>(x, pa, K, y, ldy, ncols, bias); break;
+    case 8: rows_x_panels_512<8, TWO>(x, pa, K, y, ldy, ncols, bias); break;
+    case 9: rows_x_panels_512<9, TWO>(x, pa, K, y, ldy, ncols, bias); break;
+    case 10: rows_x_panels_512<10, TWO>(x, pa, K, y, ldy, ncols, bias); break;
+    case 11: rows_x_panels_512<11, TWO>(x, pa, K, y, ldy, ncols, bias); break;
+    default: rows_x_panels_512<12, TWO>(x, pa, K, y, ldy, ncols, bias); break;
+  }
+}
+
+// Row blocks outside, pairs of panels inside (split between the threads), passes of <= 12 rows innermost.
+void many_rows_512(const float* x, int64_t M, int64_t K, const float* P, int64_t N, const float* bias, float* y,
+                   int nthreads) {
+  const int64_t np = (N + NR - 1) / NR;
+  const int64_t units = (np + 1) / 2;  // unit u: panels 2u and 2u + 1 (the last may be single or partial)
+  for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
+    const int64_t rb = M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t p = 2 * u;
+      const float* pa = P + p * K * NR;
+      const bool two = p + 1 < np && N - (p + 1) * NR >= NR;  // both panels full
+      const float* b = bias ? bias + p * NR : nullptr;
+      for (int64_t r = 0; r < rb; r += MR512) {
+        const int64_t rows = rb - r < MR512 ? rb - r : MR512;
+        const float* xr = x + (r0 + r) * K;
+        float* yr = y + (r0 + r) * N + p * NR;
+        if (two) {
+          pass_512<true>(rows, xr, pa, K, yr, N, NR, b);
+        } else {
+          const int nc = static_cast<int>(N - p * NR < NR ? N - p * NR : NR);
+          pass_512<false>(rows, xr, pa, K, yr, N, nc, b);
+          if (p + 1 < np) {  // a full panel then a partial one
+            const int nc2 = static_cast<int>(N - (p + 1) * NR < NR ? N - (p + 1) * NR : NR);
+            pass_512<false>(rows, xr, pa + K * NR, K, yr + NR, N, nc2, bias ? b + NR : nullptr);
+          }
+        }
+      }
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
+
+int byblock_packed_isa() {
+#ifdef __AVX512F__
+  return 512;
+#else
+  return 256;
+#endif
+}
 
 int byblock_panel_width() { return NR; }
 
@@ -193,6 +302,12 @@ void byblock_packed_linear(const float* x, int64_t M, int64_t K, const float* P,
     }
     return;
   }
+#ifdef __AVX512F__
+  if (M >= MANY_ROWS) {
+    many_rows_512(x, M, K, P, N, bias, y, nthreads);
+    return;
+  }
+#endif
   // Rows go in passes of up to 6 over each panel; the first pass streams the panel from memory, later ones
   // re-read it from cache. Each pass prefetches its share of the next panel, so memory keeps streaming during
   // all of them instead of idling after the first.
