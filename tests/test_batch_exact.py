@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+from engines import drive
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny import make_dflash, make_target
@@ -73,26 +74,6 @@ def _solo(target, drafters, name, ids, params):
     return generate(target, ids, params, drafter=base.fork() if base is not None else None)
 
 
-def _run(core: BatchedEngineCore, arrivals: dict[int, list[EngineRequest]], aborts: dict[int, list[str]]):
-    """Drive the core step by step; returns ({id: result}, {id: streamed text}, max requests in one step)."""
-    results, texts, widest, step = {}, {}, 0, 0
-    while core.has_unfinished() or any(k >= step for k in arrivals):
-        for req in arrivals.get(step, []):
-            core.add_request(req)
-        for rid in aborts.get(step, []):
-            core.abort_request(rid)
-        for out in core.step():
-            assert out.error is None, out.error
-            if out.event is not None:
-                texts[out.request_id] = texts.get(out.request_id, "") + out.event.text
-            if out.result is not None:
-                results[out.request_id] = out.result
-        widest = max(widest, core.last_step.seqs)
-        step += 1
-        assert step < 2000, "the engine does not finish"
-    return results, texts, widest
-
-
 request_st = st.fixed_dictionaries(
     {
         "drafter": st.sampled_from(
@@ -144,7 +125,7 @@ def test_random_mix_matches_solo(setup, reqs, max_seqs, budget, chunked):
         if r["abort"] is not None:
             aborts.setdefault(r["arrive"] + r["abort"], []).append(rid)
         expected[rid] = (r["drafter"], ids, params)
-    results, texts, _ = _run(core, arrivals, aborts)
+    results, texts, _ = drive(core, arrivals, aborts)
     for rid, (name, ids, params) in expected.items():
         if rid not in results:  # aborted before it finished
             continue
@@ -170,7 +151,7 @@ def test_every_drafter_batched_together(setup):
             rid = f"{name}-{sampled}"
             arrivals[0].append(EngineRequest(rid, tuple(ids), params, name))
             cases[rid] = (name, ids, params)
-    results, _, widest = _run(core, arrivals, {})
+    results, _, widest = drive(core, arrivals, {})
     assert widest == len(cases)  # they really shared forwards
     for rid, (name, ids, params) in cases.items():
         assert results[rid].token_ids == _solo(target, drafters, name, ids, params).token_ids, rid
@@ -184,7 +165,7 @@ def test_preemption_recomputes_and_stays_lossless(setup):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     prompts = [target.encode_prompt(p, chat=False) for p in ("def add(a, b):", REPETITIVE, "for i in", "Question:")]
     arrivals = {0: [EngineRequest(f"p{i}", tuple(ids), params, "dflash") for i, ids in enumerate(prompts)]}
-    results, _, _ = _run(core, arrivals, {})
+    results, _, _ = drive(core, arrivals, {})
     assert core.preemptions > 0
     # Recomputed K/V come from one prefill instead of the rounds that made them: equal in law, and on these
     # models (no fp32 near-ties) the same greedy tokens.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engines import drive
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny import make_hf_model, make_tokenizer
@@ -33,25 +34,6 @@ def model(request):
     prepare_for_batching(den)
     tok = make_tokenizer(320)
     return den, tok
-
-
-def _drive(core, arrivals, aborts):
-    results, texts, widest, step = {}, {}, 0, 0
-    while core.has_unfinished() or any(k >= step for k in arrivals):
-        for req in arrivals.get(step, []):
-            core.add_request(req)
-        for rid in aborts.get(step, []):
-            core.abort_request(rid)
-        for out in core.step():
-            assert out.error is None, out.error
-            if out.event is not None:
-                texts[out.request_id] = texts.get(out.request_id, "") + out.event.text
-            if out.result is not None:
-                results[out.request_id] = out.result
-        widest = max(widest, core.num_running())
-        step += 1
-        assert step < 3000
-    return results, texts, widest
 
 
 request_st = st.fixed_dictionaries(
@@ -88,7 +70,7 @@ def test_random_mix_matches_solo(model, reqs, sampler, max_seqs, budget):
             aborts.setdefault(r["arrive"] + r["abort"], []).append(rid)
         cfg = DllmConfig(sampler=sampler, threshold=0.5, max_new_tokens=r["max_new"], temperature=params.temperature)
         expected[rid] = (ids, DllmConfig(**{**cfg.__dict__, "seed": r["seed"]}))
-    results, texts, _ = _drive(core, arrivals, aborts)
+    results, texts, _ = drive(core, arrivals, aborts)
     for rid, (ids, cfg) in expected.items():
         if rid not in results:  # aborted
             continue
@@ -111,10 +93,10 @@ def test_requests_share_forwards_and_stop_like_the_fifo_engine(model):
         for i, stop in enumerate([(), ("a",), (), ("e", "o")])
     ]
     batched = DllmBatchedEngineCore(den, tok, eos, base)
-    got, texts, widest = _drive(batched, {0: reqs}, {})
+    got, texts, widest = drive(batched, {0: reqs}, {})
     assert widest == len(reqs)
     fifo = DllmEngineCore(den, tok, eos, base)
-    want, want_texts, _ = _drive(fifo, {0: reqs}, {})
+    want, want_texts, _ = drive(fifo, {0: reqs}, {})
     for r in reqs:
         rid = r.request_id
         assert got[rid].token_ids == want[rid].token_ids and got[rid].finish_reason == want[rid].finish_reason

@@ -228,7 +228,7 @@ ERRORS = [
     (
         {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
         400,
-        "unsupported",
+        None,
     ),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "drafter": "eagle9"}, 400, None),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),

@@ -1,5 +1,5 @@
 """What users of vLLM and the OpenAI API reach for, through the real openai client against the real server:
-logprobs, n, penalties and vLLM's extra sampling fields, optional model, tools refused, tool messages,
+logprobs, n, penalties and vLLM's extra sampling fields, optional model, tool calling (Hermes format), tool messages,
 --api-key, /tokenize, /detokenize, /version, and metrics under vLLM's names."""
 
 from __future__ import annotations
@@ -148,24 +148,107 @@ def test_model_is_optional_and_max_tokens_defaults_to_the_rest_of_the_context(se
     assert r.json()["usage"]["completion_tokens"] == min(64, target.max_context - prompt)
 
 
-def test_tools_are_refused_and_tool_messages_accepted(server):
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"u": {"enum": ["c", "f"]}},
+            "required": ["u"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
+}
+
+
+def test_named_and_required_tool_choice_return_tool_calls(server):
+    """A named tool (or `required`) constrains the turn to one call whose arguments follow the schema."""
+    import json
+
     url, _ = server
     c = client(url)
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    with pytest.raises(openai.BadRequestError, match="tools are not supported"):
-        c.chat.completions.create(model=MODEL, messages=MSG, tools=tools, max_tokens=4)
-    r = c.chat.completions.create(model=MODEL, messages=MSG, tools=tools, tool_choice="none", max_tokens=4)
+    named = {"type": "function", "function": {"name": "weather"}}
+    r = c.chat.completions.create(model=MODEL, messages=MSG, tools=[WEATHER, TIME], tool_choice=named, max_tokens=120)
+    msg, choice = r.choices[0].message, r.choices[0]
+    assert choice.finish_reason == "tool_calls" and msg.content is None
+    (call,) = msg.tool_calls
+    assert call.type == "function" and call.function.name == "weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments)["u"] in ("c", "f")
+    r = c.chat.completions.create(
+        model=MODEL, messages=MSG, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.choices[0].message.tool_calls[0].function.name in ("weather", "time")
+
+
+def test_streamed_tool_call_arrives_as_one_delta(server):
+    url, _ = server
+    c = client(url)
+    named = {"type": "function", "function": {"name": "weather"}}
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL, messages=MSG, tools=[WEATHER], tool_choice=named, max_tokens=120, stream=True
+        )
+    )
+    calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "weather" and calls[0].index == 0
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(ch.choices and ch.choices[0].delta.content for ch in chunks)  # no partial call shown as text
+
+
+def test_auto_tools_free_text_and_tool_messages_accepted(server):
+    """tool_choice auto: the tiny model writes no call, so the turn is text; past calls and results render."""
+    url, _ = server
+    c = client(url)
+    r = c.chat.completions.create(model=MODEL, messages=MSG, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert r.choices[0].message.content is not None and r.choices[0].finish_reason in ("length", "stop")
+    r = c.chat.completions.create(model=MODEL, messages=MSG, tools=[WEATHER], tool_choice="none", max_tokens=4)
     assert r.choices[0].message.content is not None
     convo = [
         *MSG,
         {
             "role": "assistant",
             "content": None,
-            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "time", "arguments": "{}"}}],
         },
         {"role": "tool", "tool_call_id": "c1", "content": "42"},
     ]
     assert c.chat.completions.create(model=MODEL, messages=convo, max_tokens=4).choices[0].finish_reason
+
+
+def test_bad_tools_are_400s(server):
+    url, _ = server
+    c = client(url)
+    with pytest.raises(openai.BadRequestError, match="tools\\[0\\]"):
+        c.chat.completions.create(model=MODEL, messages=MSG, tools=[{"type": "function"}], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        named = {"type": "function", "function": {"name": "nope"}}
+        c.chat.completions.create(model=MODEL, messages=MSG, tools=[WEATHER], tool_choice=named, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="response format"):
+        c.chat.completions.create(
+            model=MODEL,
+            messages=MSG,
+            tools=[WEATHER],
+            tool_choice="required",
+            response_format={"type": "json_object"},
+            max_tokens=4,
+        )
+
+
+def test_hermes_parser():
+    from byblock.server.tools import parse_calls
+
+    text = 'Let me check.\n<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>\n<tool_call>{bad}</tool_call>'
+    content, calls = parse_calls(text, {"time"})
+    assert [c.name for c in calls] == ["time"] and calls[0].arguments == "{}"
+    assert content == "Let me check.\n\n<tool_call>{bad}</tool_call>"
+    assert parse_calls('<tool_call>{"name": "other", "arguments": {}}</tool_call>', {"time"})[1] == []
+    assert parse_calls("plain", {"time"}) == ("plain", [])
 
 
 def test_tokenize_detokenize_version(server):

@@ -37,6 +37,7 @@ from byblock.server.metrics import ServerMetrics
 from byblock.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest, error_body
 from byblock.server.responses import ChunkFactory, Logprobs, full_response, new_id
 from byblock.server.routes import add_utility_routes, require_api_key
+from byblock.server.tools import ToolUse, conversation
 from byblock.server.worker import AsyncEngine
 
 log = logging.getLogger("byblock.server")
@@ -122,7 +123,9 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
         log.exception("internal error")
         return rejected(request, 500, f"internal error: {type(e).__name__}")
 
-    def resolve(body: CompletionRequest | ChatCompletionRequest, chat: bool) -> list[EngineRequest]:
+    def resolve(
+        body: CompletionRequest | ChatCompletionRequest, chat: bool, use: ToolUse | None
+    ) -> list[EngineRequest]:
         """The body's engine requests: one per choice (`n`), sharing the prompt; choice i samples with seed + i."""
         if body.model is not None and body.model != config.model_name:
             raise ApiError(
@@ -131,14 +134,12 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
                 "model",
                 "model_not_found",
             )
-        if isinstance(body, ChatCompletionRequest):
-            refuse_unsupported(body)
         drafter = body.drafter or config.default_drafter
         if drafter not in core.drafter_names:
             raise ApiError(
                 400, f"drafter '{drafter}' is not loaded (loaded: {', '.join(core.drafter_names)})", "drafter"
             )
-        ids = tokenize(body)
+        ids = tokenize(body, use)
         try:
             check_prompt_fits(model, ids)
         except ContextLengthError as e:
@@ -147,6 +148,11 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
         default = min(config.default_max_tokens or rest, rest, config.max_tokens_limit)
         try:
             params = body.sampling_params(default)
+            if use is not None and (forced := use.grammar()) is not None:
+                if params.grammar is not None:
+                    msg = "tool_choice 'required' or a named tool cannot be combined with a response format"
+                    raise ApiError(400, msg, "tool_choice")
+                params = replace(params, grammar=forced)
             if params.grammar is not None:
                 params.grammar.check()  # here, so a bad schema is a 400 before the request is queued
         except ByblockError as e:
@@ -169,15 +175,10 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
             for i, seed in enumerate(seeds)
         ]
 
-    def refuse_unsupported(body: ChatCompletionRequest) -> None:
-        """Tools are never silently ignored (no built-in model has a tool-call format byblock parses)."""
-        if body.wants_tools():
-            raise ApiError(400, f"tools are not supported for model '{config.model_name}'", "tools", "unsupported")
-
-    def tokenize(body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    def tokenize(body: CompletionRequest | ChatCompletionRequest, use: ToolUse | None) -> list[int]:
         if isinstance(body, ChatCompletionRequest):
             try:
-                return model.encode_messages(body.chat_messages())
+                return model.encode_messages(conversation(body.chat_messages(), use))
             except Exception as e:  # a chat template can reject a conversation (e.g. roles out of order)
                 raise ApiError(400, f"messages rejected by the chat template: {e}", "messages") from None
         prompt = body.prompt
@@ -237,7 +238,8 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
     async def handle(body: CompletionRequest | ChatCompletionRequest, http: Request, chat: bool) -> Response:
         arrived = time.perf_counter()
         endpoint = "chat" if chat else "completions"
-        reqs = resolve(body, chat)
+        use = ToolUse.parse(body.tools, body.tool_choice) if isinstance(body, ChatCompletionRequest) else None
+        reqs = resolve(body, chat, use)
         if config.max_pending is not None and len(pending) + len(reqs) > config.max_pending:
             return overloaded(http)
         ids = [r.request_id for r in reqs]
@@ -245,13 +247,13 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
         lp = Logprobs(chat, token_text) if reqs[0].params.logprobs is not None else None
         if body.stream:  # released by the stream's end, or after the response if the stream never started
             return StreamingResponse(
-                stream(reqs, chat, body.include_usage, arrived, endpoint, lp),
+                stream(reqs, chat, body.include_usage, arrived, endpoint, lp, use),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                 background=BackgroundTask(pending.difference_update, ids),
             )
         try:
-            return await respond(reqs, http, chat, arrived, endpoint, lp)
+            return await respond(reqs, http, chat, arrived, endpoint, lp, use)
         finally:
             pending.difference_update(ids)
 
@@ -284,7 +286,13 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
                 t.cancel()
 
     async def respond(
-        reqs: list[EngineRequest], http: Request, chat: bool, arrived: float, endpoint: str, lp: Logprobs | None
+        reqs: list[EngineRequest],
+        http: Request,
+        chat: bool,
+        arrived: float,
+        endpoint: str,
+        lp: Logprobs | None,
+        use: ToolUse | None,
     ) -> Response:
         """A non-streamed request: wait for every choice's result, aborting them if the client goes away."""
         ttft: list[float | None] = [None] * len(reqs)
@@ -317,10 +325,16 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
         done = [r for r in results if r is not None]
         for i, (req, result) in enumerate(zip(reqs, done, strict=True)):
             finish(endpoint, "ok", req, arrived, ttft[i], result, False)
-        return JSONResponse(full_response(chat, config.model_name, done, lp))
+        return JSONResponse(full_response(chat, config.model_name, done, lp, use.calls if use else None))
 
     async def stream(
-        reqs: list[EngineRequest], chat: bool, include_usage: bool, arrived: float, endpoint: str, lp: Logprobs | None
+        reqs: list[EngineRequest],
+        chat: bool,
+        include_usage: bool,
+        arrived: float,
+        endpoint: str,
+        lp: Logprobs | None,
+        use: ToolUse | None,
     ) -> AsyncIterator[bytes]:
         chunks = ChunkFactory(chat, config.model_name, lp)
         ttft: list[float | None] = [None] * len(reqs)
@@ -337,10 +351,17 @@ def create_app(model: TargetModel, core: EngineCore, config: ServerConfig, engin
                     break
                 if out.event is not None:
                     ttft[i] = ttft[i] if ttft[i] is not None else time.perf_counter() - arrived
-                    yield _sse(chunks.delta(i, out.event))
+                    if use is None:  # with tools the text is sent once decided (server/tools.py)
+                        yield _sse(chunks.delta(i, out.event))
                 if out.result is not None:
                     results[i] = out.result
-                    yield _sse(chunks.final(i, out.result))
+                    if use is not None:
+                        content, calls = use.calls(out.result.text)
+                        for chunk in chunks.tool_turn(i, content, calls):
+                            yield _sse(chunk)
+                        yield _sse(chunks.final(i, out.result, "tool_calls" if calls else None))
+                    else:
+                        yield _sse(chunks.final(i, out.result))
             else:
                 if include_usage:
                     yield _sse(chunks.usage([r for r in results if r is not None]))

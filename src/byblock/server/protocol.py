@@ -193,10 +193,11 @@ class ChatMessage(BaseModel):
     """One chat turn. Tool results (role `tool`) and assistant turns without content (`content: null`, e.g. one
     that only called tools) are accepted: the chat template sees their text, "" when there is none."""
 
-    model_config = ConfigDict(extra="ignore")  # name, tool_call_id, tool_calls ...
+    model_config = ConfigDict(extra="ignore")  # name, tool_call_id ...
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's past calls (server/tools.py renders them)
 
     def text(self) -> str:
         """The message's text (content parts concatenated)."""
@@ -225,13 +226,16 @@ class ChatCompletionRequest(_SamplingFields):
         """max_completion_tokens (OpenAI's newer name) wins over max_tokens."""
         return self.max_completion_tokens or self.max_tokens
 
-    def wants_tools(self) -> bool:
-        """True when the request offers tools the model may call (tool_choice "none" offers none)."""
-        return bool(self.tools) and self.tool_choice != "none"
-
-    def chat_messages(self) -> list[dict[str, str]]:
-        """role/content dicts for the chat template ('developer' is OpenAI's newer name for 'system')."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """role/content dicts ('developer' is OpenAI's newer name for 'system'), with an assistant turn's
+        tool_calls where it has them (server/tools.py conversation() makes template turns of them)."""
+        turns: list[dict[str, Any]] = []
+        for m in self.messages:
+            turn: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                turn["tool_calls"] = m.tool_calls
+            turns.append(turn)
+        return turns
 
 
 class ApiError(Exception):

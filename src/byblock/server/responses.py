@@ -123,10 +123,21 @@ class ChunkFactory:
             self._offsets[index] = at + len(event.text)
         return self._wrap([self._choice(index, event.text, None, lp=lp)], byblock=event_extension(event))
 
-    def final(self, index: int, result: GenerationResult) -> dict[str, Any]:
-        """The chunk that carries choice `index`'s finish_reason (and byblock's summary)."""
-        choice = self._choice(index, None if self.chat else "", result.finish_reason.value)
+    def final(self, index: int, result: GenerationResult, finish: str | None = None) -> dict[str, Any]:
+        """The chunk that carries choice `index`'s finish_reason (and byblock's summary); finish: instead of the
+        result's (e.g. "tool_calls")."""
+        choice = self._choice(index, None if self.chat else "", finish or result.finish_reason.value)
         return self._wrap([choice], byblock=result_extension(result))
+
+    def tool_turn(self, index: int, content: str | None, calls: Sequence[Any]) -> list[dict[str, Any]]:
+        """A decided turn of a request with tools: its content delta, then its tool_calls delta."""
+        chunks = []
+        if content:
+            chunks.append(self._wrap([self._choice(index, content, None)]))
+        if calls:
+            delta = {"tool_calls": [c.to_json(j) for j, c in enumerate(calls)]}
+            chunks.append(self._wrap([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]))
+        return chunks
 
     def usage(self, results: Sequence[GenerationResult]) -> dict[str, Any]:
         """The trailing usage chunk (stream_options.include_usage)."""
@@ -134,15 +145,26 @@ class ChunkFactory:
 
 
 def full_response(
-    chat: bool, model: str, results: Sequence[GenerationResult], logprobs: Logprobs | None
+    chat: bool,
+    model: str,
+    results: Sequence[GenerationResult],
+    logprobs: Logprobs | None,
+    tool_calls: Callable[[str], tuple[str | None, list[Any]]] | None = None,
 ) -> dict[str, Any]:
-    """A non-streamed response object with one choice per result."""
+    """A non-streamed response object with one choice per result; tool_calls: text -> (content, calls) for a
+    request with tools (server/tools.py)."""
     choices = []
     for i, r in enumerate(results):
         lp = logprobs.format(r.token_ids, r.logprobs or [None] * len(r.token_ids)) if logprobs is not None else None
         if chat:
-            message = {"role": "assistant", "content": r.text}
-            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": r.finish_reason.value})
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            finish = r.finish_reason.value
+            if tool_calls is not None:
+                content, calls = tool_calls(r.text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": [c.to_json() for c in calls]}
+                    finish = "tool_calls"
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
         else:
             choices.append({"index": i, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason.value})
     return {
