@@ -135,3 +135,16 @@ def test_real_gguf_keeps_every_block_exactly():
             q = ours[name]
             assert isinstance(q, QuantLinear), name
             assert torch.equal(q.weight, module.weight), name
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_many_rows_in_row_blocks_stay_row_invariant(isa, bits):
+    """A prefill-sized call runs its rows in blocks (x stays in L2): each row is still bitwise its lone result."""
+    torch.manual_seed(2)
+    lin = QuantLinear(quantize(torch.randn(100, 192) * 0.05, bits), None, kernel_or_skip(isa))
+    x = torch.randn(300, 192)
+    with torch.inference_mode():
+        y = lin(x)
+        for lo, hi in ((0, 1), (127, 129), (128, 300), (5, 261), (299, 300)):
+            assert torch.equal(lin(x[lo:hi]), y[lo:hi]), (lo, hi)

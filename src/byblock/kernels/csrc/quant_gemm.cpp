@@ -77,6 +77,7 @@ inline void i8x16(__m128i q, V* w) {
 }
 #endif
 constexpr int LANES = W / HALVES;
+constexpr int64_t ROW_BLOCK = 128;  // rows per block of a many-rows call (their x stays in L2)
 
 // The integer codes of two consecutive inputs (k even, k + 1) for one panel, as floats.
 struct Int4 {
@@ -208,18 +209,23 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
     }
     return;
   }
-  // Rows in balanced passes of up to MAX_ROWS over each panel: the panel comes from memory once, later passes
-  // re-read it from L1/L2 (one panel's int4 weights: 8 K bytes).
-  const int64_t passes = (M + MAX_ROWS - 1) / MAX_ROWS;
+  // Rows in blocks of ROW_BLOCK (a prefill's x would otherwise be re-read from L3 once per panel), and within a
+  // block in balanced passes of up to MAX_ROWS over each panel: the panel comes from memory or L2 once per
+  // block, later passes re-read it from L1 (one panel's int4 weights: 8 K bytes). A row's outputs are the same
+  // chains whichever block or pass computes them.
+  for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
+    const int64_t rb = M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK;
+    const int64_t passes = (rb + MAX_ROWS - 1) / MAX_ROWS;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-  for (int64_t p = 0; p < P; ++p) {
-    int64_t r = 0;
-    for (int64_t pass = 0; pass < passes; ++pass) {
-      const int64_t rows = (M - r + passes - pass - 1) / (passes - pass);
-      rows_pass<Q, MAX_ROWS>(x + r * K, K, xs + (Q::HAS_MIN ? r * G : 0), q + p * stride, scale + p * G * W,
-                             minv ? minv + p * G * W : nullptr, stride, y + r * N + p * W, N,
-                             bias ? bias + p * W : nullptr, N - p * W, rows);
-      r += rows;
+    for (int64_t p = 0; p < P; ++p) {
+      int64_t r = r0;
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t rows = (r0 + rb - r + passes - pass - 1) / (passes - pass);
+        rows_pass<Q, MAX_ROWS>(x + r * K, K, xs + (Q::HAS_MIN ? r * G : 0), q + p * stride, scale + p * G * W,
+                               minv ? minv + p * G * W : nullptr, stride, y + r * N + p * W, N,
+                               bias ? bias + p * W : nullptr, N - p * W, rows);
+        r += rows;
+      }
     }
   }
 }
