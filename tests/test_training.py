@@ -338,3 +338,28 @@ def test_regenerate_rejects_bad_settings(tiny_llama_dir):
 
     with pytest.raises(ByblockError, match="rows must be at least 1"):
         RegenConfig(target=str(tiny_llama_dir), prompts="p.jsonl", layer_ids=(0,), rows=0)
+
+
+def test_muon_recipe_trains_resumes_exactly_and_is_refused_when_misspelt(tmp_path, regen_dir, tiny_llama_dir):
+    """MiMo's optimizer: Muon for the draft layers' matrices, AdamW for the rest; it lowers the loss, and a run
+    killed mid-way resumes to the same weights as one straight run."""
+    from byblock.errors import InvalidParameterError
+    from byblock.training.optim import _Pair
+
+    cfg = _cfg(optimizer="muon")
+    straight = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "a", cfg)
+    assert isinstance(straight.opt, _Pair)
+    muon_params = {id(p) for g in straight.opt.parts[0].param_groups for p in g["params"]}
+    assert muon_params and all(p.ndim == 2 for g in straight.opt.parts[0].param_groups for p in g["params"])
+    before = straight.loss(straight.batch_for(0, 0), straight.net)[0].item()
+    straight.run(progress=False)
+    assert straight.loss(straight.batch_for(0, 0), straight.net)[0].item() < before
+    first = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "b", cfg)
+    first.run(progress=False, stop_after=3)
+    resumed = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "b", cfg)
+    assert resumed.step == 3
+    resumed.run(progress=False)
+    for (k, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
+    with pytest.raises(InvalidParameterError, match="adamw or muon"):
+        _cfg(optimizer="sgd")

@@ -41,6 +41,7 @@ from byblock.training.dflash_data import (
     target_to_draft,
 )
 from byblock.training.distributed import process_device, world
+from byblock.training.optim import build_optimizer
 from byblock.training.regenerate import MANIFEST
 from byblock.training.train_config import TrainConfig, same_recipe
 
@@ -221,14 +222,7 @@ class DFlashTrainer:
         self.net = _Net(self.model, self.head, cfg.freeze_backbone).to(self.device)
         self.embed, self.head_t = self.embed.to(self.device), self.head_t.to(self.device)
         self.weights = decay_weights(cfg.block_size, cfg.gamma or default_gamma(cfg.block_size))
-        decay, no_decay = [], []
-        for p in (p for p in self.net.parameters() if p.requires_grad):
-            (no_decay if p.ndim < 2 else decay).append(p)
-        self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=(0.9, 0.95),
-        )
+        self.opt = build_optimizer(self.net, cfg.optimizer, cfg.lr, cfg.weight_decay)  # training/optim.py
         self.step = 0
         self.train_seconds = 0.0  # wall time spent in run(), summed over resumes
         if resumed is not None:

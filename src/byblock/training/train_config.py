@@ -38,6 +38,13 @@ class TrainConfig:
     eval_every: int = 200
     ckpt_every: int = 50
     seed: int = 0
+    optimizer: str = "adamw"  # "muon": Muon for the draft layers' matrices, AdamW for the rest (MiMo's recipe)
+
+    def __post_init__(self) -> None:
+        from byblock.errors import InvalidParameterError
+
+        if self.optimizer not in ("adamw", "muon"):
+            raise InvalidParameterError(f"--optimizer must be adamw or muon, not '{self.optimizer}'")
 
 
 def same_recipe(saved: dict, cfg: TrainConfig) -> bool:
