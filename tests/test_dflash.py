@@ -151,3 +151,59 @@ def test_bf16_drafter_is_lossless(tiny_targets):
     drafter = DFlashDrafter(make_dflash(target, block=8), target, dtype=torch.bfloat16)
     assert next(drafter.model.parameters()).dtype == torch.bfloat16
     greedy_outputs_match(target, [5, 17, 33, 9], SamplingParams(max_new_tokens=40), drafter)
+
+
+def _windowed_drafter(target, window: int | None):
+    from dataclasses import replace
+
+    from byblock.drafters.dflash_model import DFlashDraftModel
+
+    base = make_dflash(target, block=4)
+    model = DFlashDraftModel(replace(base.config, sliding_window=window)).eval()
+    model.load_state_dict(base.state_dict())
+    return model
+
+
+def test_sliding_window_drafting_equals_the_training_mask():
+    """MiMo's SWA drafter: cached rounds (the cache trimmed to the window) give the block states the training
+    mask gives over the whole context (row j at position a + j sees context q with a + j - q < W)."""
+    target = make_target("llama")
+    g = torch.Generator().manual_seed(0)
+    for window in (5, 7, 40):
+        model = _windowed_drafter(target, window)
+        cfg = model.config
+        feats = torch.randn(1, 14, cfg.num_features * cfg.hidden_size, generator=g)
+        block = torch.randn(1, 4, cfg.hidden_size, generator=g)
+        a = 14
+        mask = torch.zeros(1, 1, 4, 14 + 4, dtype=torch.bool)
+        mask[..., 14:] = True
+        for r in range(4):
+            mask[0, 0, r, max(0, a + r - window + 1) : a] = True
+        with torch.no_grad():
+            ref = model(block, feats, torch.arange(a, a + 4)[None], torch.arange(14)[None], mask=mask)
+            cache = [[] for _ in model.layers]
+            model(block, feats[:, :6], torch.arange(6, 10)[None], torch.arange(6)[None], cache=cache)
+            model(block, feats[:, 6:11], torch.arange(11, 15)[None], torch.arange(6, 11)[None], cache=cache)
+            got = model(block, feats[:, 11:], torch.arange(a, a + 4)[None], torch.arange(11, 14)[None], cache=cache)
+            assert all(c[0].shape[2] <= window - 1 for c in cache)  # nothing older than the window is kept
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    wide = _windowed_drafter(target, 40)
+    full = make_dflash(target, block=4)
+    with torch.no_grad():  # a window wider than the context is full attention
+        args = (block, feats, torch.arange(14, 18)[None], torch.arange(14)[None])
+        torch.testing.assert_close(wide(*args), full(*args), rtol=0, atol=0)
+
+
+def test_sliding_window_drafter_is_lossless_and_round_trips_in_vllms_fields(tmp_path):
+    target = make_target("llama")
+    model = _windowed_drafter(target, 6)
+    greedy_outputs_match(
+        target, [5, 17, 33, 9, 4, 4, 8], SamplingParams(max_new_tokens=30), DFlashDrafter(model, target)
+    )
+    hf = to_hf_config(model.config)
+    assert hf["dflash_config"]["use_swa"] is True and hf["dflash_config"]["swa_window_size"] == 6
+    assert hf["sliding_window"] == 6 and set(hf["layer_types"]) == {"sliding_attention"}
+    save_dflash(model, tmp_path / "swa")
+    loaded, _ = load_dflash(tmp_path / "swa")
+    assert loaded.config.sliding_window == 6
+    assert to_hf_config(make_dflash(target).config)["dflash_config"].get("use_swa") is None

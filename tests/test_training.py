@@ -363,3 +363,29 @@ def test_muon_recipe_trains_resumes_exactly_and_is_refused_when_misspelt(tmp_pat
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=k)
     with pytest.raises(InvalidParameterError, match="adamw or muon"):
         _cfg(optimizer="sgd")
+
+
+def test_sliding_window_training_masks_the_context_like_drafting(tmp_path, regen_dir, tiny_llama_dir):
+    """--sliding-window W: block row j of an anchor a sees context positions a + j - W < q < a, the drafter's
+    inference rule (drafters/dflash_model.py windowed); the run trains and exports the window."""
+    from byblock.errors import InvalidParameterError
+
+    cfg = _cfg(sliding_window=6, steps=3)
+    trainer = DFlashTrainer(str(tiny_llama_dir), regen_dir / "regen", tmp_path / "w", cfg)
+    assert trainer.model.config.sliding_window == 6
+    batch = trainer.batch_for(0, 0)
+    c = batch.ctx_hidden.shape[1]
+    for i in range(batch.mask.shape[0]):
+        for j in range(batch.block_pos.shape[1] // cfg.block_size):
+            rows = slice(j * cfg.block_size, (j + 1) * cfg.block_size)
+            if (batch.labels[i, rows] == -100).all():
+                continue
+            a = int(batch.block_pos[i, j * cfg.block_size])
+            for r in range(cfg.block_size):
+                seen = batch.mask[i, 0, j * cfg.block_size + r, :c].nonzero().flatten().tolist()
+                assert seen == list(range(max(0, a + r - 6 + 1), a)), (i, j, r)
+    trainer.run(progress=False)
+    loaded, _ = load_dflash(trainer.export(tmp_path / "export"))
+    assert loaded.config.sliding_window == 6
+    with pytest.raises(InvalidParameterError, match="sliding-window"):
+        _cfg(sliding_window=2)  # not wider than the block

@@ -48,12 +48,16 @@ def to_hf_config(cfg: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -> dict
         "attention_dropout": 0.0,
         "hidden_act": "silu",
         "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "layer_types": ["full_attention"] * cfg.num_layers,
+        "use_sliding_window": cfg.sliding_window is not None,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.num_layers,
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.target_layer_ids),
+            **({"use_swa": True, "swa_window_size": cfg.sliding_window} if cfg.sliding_window else {}),
+        },
         "torch_dtype": str(dtype).removeprefix("torch."),
         "byblock": cfg.extra,
     }
@@ -95,10 +99,21 @@ def from_hf_config(raw: dict) -> DFlashConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
+            sliding_window=_window(dcfg, raw),
             extra=dict(raw.get("byblock") or {}),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ByblockError(f"not a DFlash config (missing or bad {e})") from None
+
+
+def _window(dcfg: dict, raw: dict) -> int | None:
+    """The drafter's sliding window: dflash_config.use_swa / swa_window_size (vLLM's qwen3_dflash.py), else the
+    top-level use_sliding_window / sliding_window of sliding layers; None: full attention."""
+    if dcfg.get("use_swa"):
+        return int(dcfg.get("swa_window_size") or raw["sliding_window"])
+    if raw.get("use_sliding_window") and raw.get("sliding_window"):
+        return int(raw["sliding_window"])
+    return None
 
 
 def save_dflash(

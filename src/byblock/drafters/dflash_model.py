@@ -39,6 +39,9 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 8192
+    # Sliding-window attention over the context (MiMo's drafter, DFlash 2's sliding layers): a block row at
+    # position p sees context positions q with p - q < W (transformers' and vLLM's rule); None: all of it.
+    sliding_window: int | None = None
     extra: dict = field(default_factory=dict, compare=False)  # provenance (target name, recipe) for config.json
 
     @property
@@ -91,6 +94,7 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.window = cfg.sliding_window
 
     def _kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
@@ -115,10 +119,32 @@ class DraftAttention(nn.Module):
             if cache:
                 kc, vc = torch.cat([cache[0], kc], dim=2), torch.cat([cache[1], vc], dim=2)
             cache[:] = [kc, vc]
+        if self.window is not None and mask is None:  # drafting: the context is every position before the block
+            kc, vc, mask = windowed(kc, vc, t, self.window)
+            if cache is not None:
+                cache[:] = [kc, vc]  # older slots are never seen again
         kb, vb = self._kv(x, *block_rope)  # [b, kv, T, d]
         k, v = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)  # [b, kv, C_all + T, d]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def windowed(
+    kc: torch.Tensor, vc: torch.Tensor, t: int, window: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Context K/V [b, kv, n, d] ending just before a block of t rows -> the last window-1 slots (all any row can
+    see: the anchor row at position a sees positions > a - window) and the mask [1, 1, t, n' + t] of row j, which
+    sees context slot c iff c > n' + j - window; None when every row sees every kept slot."""
+    keep = window - 1
+    if kc.shape[2] > keep:
+        kc, vc = kc[:, :, kc.shape[2] - keep :], vc[:, :, vc.shape[2] - keep :]
+    n = kc.shape[2]
+    if n + t - 1 < window:
+        return kc, vc, None
+    rows = torch.arange(t, device=kc.device)[:, None]
+    ctx_ok = torch.arange(n, device=kc.device)[None, :] > n + rows - window  # [t, n]
+    block_ok = torch.ones(t, t, dtype=torch.bool, device=kc.device)
+    return kc, vc, torch.cat([ctx_ok, block_ok], dim=1)[None, None]
 
 
 class DraftMLP(nn.Module):
@@ -229,11 +255,14 @@ def forward_packed(model: DFlashDraftModel, blocks: list[PackedBlock]) -> torch.
             k_ctx, v_ctx = kc[:, :, c0:c1], vc[:, :, c0:c1]
             if cache:
                 k_ctx, v_ctx = torch.cat([cache[0], k_ctx], dim=2), torch.cat([cache[1], v_ctx], dim=2)
+            mask = None
+            if attn.window is not None:
+                k_ctx, v_ctx, mask = windowed(k_ctx, v_ctx, s1 - s0, attn.window)
             cache[:] = [k_ctx, v_ctx]
             k = torch.cat([k_ctx, kb[:, :, s0:s1]], dim=2)
             v = torch.cat([v_ctx, vb[:, :, s0:s1]], dim=2)
             gqa = attn.num_heads != attn.num_kv_heads
-            out = F.scaled_dot_product_attention(q[:, :, s0:s1], k, v, attn_mask=None, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q[:, :, s0:s1], k, v, attn_mask=mask, enable_gqa=gqa)
             outs.append(out.transpose(1, 2).reshape(1, s1 - s0, -1))
         h = h + attn.o_proj(torch.cat(outs, dim=1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))

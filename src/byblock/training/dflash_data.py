@@ -116,8 +116,10 @@ def make_batch(
     mask_token_id: int,
     to_draft: torch.Tensor,  # [V_target] draft id of each target id, IGNORE if outside the draft vocab
     weights: torch.Tensor,  # [B] decay weights
+    window: int | None = None,  # sliding window over the context (DFlashConfig.sliding_window)
 ) -> Batch:
-    """Assemble the blocks of several sequences into one padded batch."""
+    """Assemble the blocks of several sequences into one padded batch. With a window, block row j (position
+    a + j) sees the context positions q < a with a + j - q < window, as the drafter does at inference."""
     b = len(seqs)
     a_max = max(1, max(len(a) for a in anchors))
     t = a_max * block
@@ -154,7 +156,11 @@ def make_batch(
             out["block_ids"][i, j * block] = seq.tokens[a]
             out["block_pos"][i, rows] = pos
             out["block_tokens"][i, j * block : j * block + int(valid.sum())] = seq.tokens[pos[valid]]
-            q[:, :a] = True  # features strictly before the anchor
+            if window is None:
+                q[:, :a] = True  # features strictly before the anchor
+            else:
+                for r in range(block):
+                    q[r, max(0, a + r - window + 1) : a] = True
             lab = torch.full((block,), IGNORE, dtype=torch.long)
             lab[valid] = to_draft[seq.tokens[pos[valid]]]
             lab[0] = IGNORE

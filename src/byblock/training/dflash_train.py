@@ -198,6 +198,7 @@ class DFlashTrainer:
             rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6),
             rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
             max_position_embeddings=target.max_context,
+            sliding_window=cfg.sliding_window or None,
             extra={"target": target_name, "recipe": asdict(cfg), "draft_vocab_coverage": round(self.coverage, 5)},
         )
         torch.manual_seed(cfg.seed)
@@ -245,7 +246,10 @@ class DFlashTrainer:
         idx = torch.randint(len(self.train), (self.cfg.seqs_per_step,), generator=g).tolist()
         seqs = [self.train[i] for i in idx]
         anchors = [sample_anchors(s, self.cfg.anchors_per_seq, g) for s in seqs]
-        return make_batch(seqs, anchors, self.cfg.block_size, self.model_cfg.mask_token_id, self.to_draft, self.weights)
+        window = self.model_cfg.sliding_window
+        return make_batch(
+            seqs, anchors, self.cfg.block_size, self.model_cfg.mask_token_id, self.to_draft, self.weights, window
+        )
 
     def _position_loss(self, logits: torch.Tensor, batch: Batch, sel: torch.Tensor) -> torch.Tensor:
         """Per-position loss [N] for draft logits [N, Vd] at the labelled positions `sel`."""
@@ -321,7 +325,15 @@ class DFlashTrainer:
         while blocks < self.cfg.val_blocks and seqs:
             chosen = [seqs[int(torch.randint(len(seqs), (1,), generator=g))] for _ in range(8)]
             anchors = [sample_anchors(s, 4, g) for s in chosen]
-            batch = make_batch(chosen, anchors, block, self.model_cfg.mask_token_id, self.to_draft, self.weights)
+            batch = make_batch(
+                chosen,
+                anchors,
+                block,
+                self.model_cfg.mask_token_id,
+                self.to_draft,
+                self.weights,
+                self.model_cfg.sliding_window,
+            )
             batch = batch.to(self.device)
             base, final = self.draft_logits(batch, self.net)
             # Teacher forcing is exact here: acceptance stops at the first miss, so every position that

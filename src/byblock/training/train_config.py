@@ -39,12 +39,15 @@ class TrainConfig:
     ckpt_every: int = 50
     seed: int = 0
     optimizer: str = "adamw"  # "muon": Muon for the draft layers' matrices, AdamW for the rest (MiMo's recipe)
+    sliding_window: int = 0  # > 0: the drafter attends to this many context positions (MiMo's SWA drafter)
 
     def __post_init__(self) -> None:
         from byblock.errors import InvalidParameterError
 
         if self.optimizer not in ("adamw", "muon"):
             raise InvalidParameterError(f"--optimizer must be adamw or muon, not '{self.optimizer}'")
+        if self.sliding_window < 0 or 0 < self.sliding_window <= self.block_size:
+            raise InvalidParameterError("--sliding-window must be 0 (off) or larger than --block-size")
 
 
 def same_recipe(saved: dict, cfg: TrainConfig) -> bool:
