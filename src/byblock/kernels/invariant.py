@@ -70,33 +70,32 @@ class RowInvariantLinear(nn.Module):
         if rows == 0:  # e.g. the LM head of a prefill chunk that needs no logits
             return x.new_empty(*x.shape[:-1], self.out_features)
         if self.state is not None and self.state.whole is not None:  # a packed forward of several sequences
-            return self._packed(x.reshape(rows, self.in_features), self.state.whole).view(*x.shape[:-1], -1)
+            return self._packed(x.reshape(rows, self.in_features)).view(*x.shape[:-1], -1)
         if 2 <= rows <= ROW_CHUNK or (rows > ROW_CHUNK and self.state is not None and self.state.plan is None):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
         out = torch.cat([self._rows(flat[i : i + ROW_CHUNK]) for i in range(0, rows, ROW_CHUNK)])
         return out.view(*x.shape[:-1], self.out_features)
 
-    def _packed(self, x: torch.Tensor, whole: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
         """A packed forward's rows, each computed as in its own sequence's forward: the `whole` spans (a
         sequence whose lone forward runs them as one GEMM) as one GEMM each; every other row among
         2..ROW_CHUNK-row GEMMs, which give a row the same bits whichever rows it shares them with. Other rows
         than the forward's (the LM head's chosen rows) are all of the second kind."""
-        spans = whole if self.state is not None and x.shape[0] == self.state.rows else ()
-        parts, free, at = [], [], 0
-        for a, b in (*spans, (x.shape[0], x.shape[0])):
+        state = self.state
+        assert state is not None and state.whole is not None
+        spans = state.whole if x.shape[0] == state.rows else ()
+        y = x.new_empty(x.shape[0], self.out_features)
+        free, at = [], 0
+        for a, b in spans:
             free.extend(range(at, a))
-            if b > a:
-                parts.append((torch.arange(a, b, device=x.device), F.linear(x[a:b], self.weight, self.bias)))
+            y[a:b] = F.linear(x[a:b], self.weight, self.bias)
             at = b
+        free.extend(range(at, x.shape[0]))
         if free:
             idx = torch.tensor(free, device=x.device)
             rest = x[idx]
-            out = torch.cat([self._rows(rest[i : i + ROW_CHUNK]) for i in range(0, len(free), ROW_CHUNK)])
-            parts.append((idx, out))
-        y = x.new_empty(x.shape[0], self.out_features)
-        for idx, val in parts:
-            y[idx] = val
+            y[idx] = torch.cat([self._rows(rest[i : i + ROW_CHUNK]) for i in range(0, len(free), ROW_CHUNK)])
         return y
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:  # [1..ROW_CHUNK, in] -> [same, out]
