@@ -13,13 +13,18 @@ from tiny import ARCHS, make_target
 from byblock import SamplingParams, generate
 from byblock.drafters import ModelDrafter, NgramConfig, NgramDrafter
 
-LINEARS = ("library", "packed", "int8", "int4")  # library fp32, byblock's packed fp32 GEMM, quantized kernels
+# library fp32, byblock's packed fp32 GEMM, the quantized kernels on int8 activations (load_model's default) and on
+# fp32 ones
+LINEARS = ("library", "packed", "int8", "int4", "int8/fp32", "int4/fp32")
 
 
 @functools.cache
 def target(arch: str, linears: str = "library"):
-    weights = linears if linears.startswith("int") else None
-    return make_target(arch, packed=linears == "packed", weights=weights)
+    weights, _, activations = linears.partition("/")
+    quantized = weights.startswith("int")
+    return make_target(
+        arch, packed=linears == "packed", weights=weights if quantized else None, activations=activations or "int8"
+    )
 
 
 @functools.cache

@@ -1,5 +1,6 @@
-"""byblock's int4 / int8 weight-only kernels (kernels/quant_gemm.py) against their de-quantized reference, row
-invariance at every row count, both ISA builds, and the GGUF block decoders against the gguf package's own."""
+"""byblock's int4 / int8 weight-only kernels (kernels/quant_gemm.py: fp32 activations, csrc/quant_gemm.cpp; int8
+activations, csrc/quant_dot.cpp) against their de-quantized references, row invariance at every row count, both
+ISA builds, and the GGUF block decoders against the gguf package's own."""
 
 from __future__ import annotations
 
@@ -14,52 +15,103 @@ from conftest import real_model_or_skip
 from byblock.kernels.cpu_features import cpu_flags
 from byblock.kernels.quant_gemm import (
     AVX512_CPU_FLAGS,
+    EXTRA_CPU_FLAGS,
     QuantLinear,
     QuantWeight,
     load_quant_kernel,
     quantize,
+    quantize_activations,
 )
 from byblock.models.gguf_weights import decode_blocks
 
-ISAS = ["avx2"] + (["avx512"] if (cpu_flags() or frozenset()) >= AVX512_CPU_FLAGS else [])
+FLAGS = cpu_flags() or frozenset()
+ISAS = {
+    act: ["avx2"] + (["avx512"] if AVX512_CPU_FLAGS | EXTRA_CPU_FLAGS[act] <= FLAGS else []) for act in ("fp32", "int8")
+}
+KERNELS = [(act, isa) for act, isas in ISAS.items() for isa in isas]
 
 
-def kernel_or_skip(isa: str):
-    kernel = load_quant_kernel(isa)
+def kernel_or_skip(kind):
+    kernel = load_quant_kernel(kind[1], kind[0])
     if kernel is None:
         pytest.skip("the quantized GEMM does not build here (no g++ or no AVX2)")
     return kernel
 
 
-@pytest.mark.parametrize("isa", ISAS)
+def reference(kind, x: torch.Tensor, lin: QuantLinear, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the kernel stands for, in float64: the de-quantized weight times x (fp32 activations) or times x's
+    int8 codes de-quantized (int8 activations)."""
+    if kind[0] == "int8":
+        codes, d, _ = quantize_activations(x)
+        x = (codes.double().reshape(len(x), -1, 32) * d.double()[..., None]).reshape(x.shape)
+    return F.linear(x.double(), lin.weight.double(), None if bias is None else bias.double()).float()
+
+
+@pytest.mark.parametrize("kind", KERNELS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", [(64, 32), (50, 96), (576, 576), (130, 1536)])  # N not a multiple of 16 too
-def test_kernel_matches_dequantized_reference_and_is_row_invariant(isa, bits, shape):
+def test_kernel_matches_dequantized_reference_and_is_row_invariant(kind, bits, shape):
     torch.manual_seed(0)
     n, k = shape
     weight = torch.randn(n, k) * 0.05
     bias = torch.randn(n)
-    lin = QuantLinear(quantize(weight, bits), bias, kernel_or_skip(isa))
+    lin = QuantLinear(quantize(weight, bits), bias, kernel_or_skip(kind))
     x = torch.randn(33, k)
     with torch.inference_mode():
         y = lin(x)
-        ref = F.linear(x.double(), lin.weight.double(), bias.double()).float()
-        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y, reference(kind, x, lin, bias), rtol=1e-5, atol=1e-5)
         for m in (1, 2, 3, 5, 8, 9, 17):  # every row count gives each row bitwise its one-row result
             assert torch.equal(lin(x[:m]), y[:m]), m
         for i in range(0, 33, 7):
             assert torch.equal(lin(x[i : i + 1]), y[i : i + 1])
 
 
-@pytest.mark.skipif(len(ISAS) < 2, reason="this CPU has no AVX-512")
+@pytest.mark.parametrize("act", ["fp32", "int8"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_avx2_and_avx512_builds_agree_bitwise(bits):
-    """Lanes are outputs and never mix, so both builds run the same arithmetic per output."""
+def test_avx2_and_avx512_builds_agree_bitwise(act, bits):
+    """Lanes are outputs and never mix (and the int8 kernel's sums are exact integers), so both builds run the
+    same arithmetic per output."""
+    if len(ISAS[act]) < 2:
+        pytest.skip("this CPU has no AVX-512 (with VNNI for the int8 kernel)")
     torch.manual_seed(1)
     qw = quantize(torch.randn(200, 320), bits)
     x = torch.randn(6, 320)
-    outs = [QuantLinear(qw, None, kernel_or_skip(isa))(x) for isa in ISAS]
+    outs = [QuantLinear(qw, None, kernel_or_skip((act, isa)))(x) for isa in ISAS[act]]
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("kind", [k for k in KERNELS if k[0] == "int8"])
+def test_int8_activation_codes_are_the_reference_quantizer_bitwise(kind):
+    """The kernel's per-group int8 codes and scales are torch's `quantize_activations`, bit for bit (ties,
+    zeros, a whole zero group and outliers included), so the float64 reference above is the kernel's model."""
+    torch.manual_seed(3)
+    x = torch.randn(9, 128) * torch.logspace(-3, 2, 9)[:, None]
+    x[0, :32] = 0.0
+    x[1, 5] = 1e4
+    x[2, :32] = torch.arange(32) - 15.5  # halves: rounding ties
+    ours = kernel_or_skip(kind).quantize_activations(x)
+    for a, b in zip(ours, quantize_activations(x), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", [k for k in KERNELS if k[0] == "int8"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_stay_close_to_fp32_activations(kind, bits):
+    """Quantizing the activations costs ~1 % relative error per output (llama.cpp's trade), not more; int8
+    weights at the -128 edge are exact (the kernel's offset and nibble split cannot overflow)."""
+    torch.manual_seed(4)
+    qw = quantize(torch.randn(96, 256) * 0.05, bits)
+    if bits == 8:
+        values, scale, _ = qw.values()
+        values[:, ::7] = -128
+        qw = QuantWeight.from_values(8, values, scale, None)
+    x = torch.randn(20, 256)
+    lin = QuantLinear(qw, None, kernel_or_skip(kind))
+    exact = F.linear(x.double(), lin.weight.double())
+    with torch.inference_mode():
+        y = lin(x).double()
+    torch.testing.assert_close(y.float(), reference(kind, x, lin, None), rtol=1e-5, atol=1e-5)
+    assert ((y - exact).norm() / exact.norm()).item() < 0.02
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -125,7 +177,7 @@ def test_real_gguf_keeps_every_block_exactly():
 
     real_model = real_model_or_skip()  # weights="auto": the GGUF's own blocks
     fp32 = load_model("smollm2-135m", weights="fp32", relayout=False)
-    assert real_model.weights.startswith("gguf (210 Q4_1, 1 Q8_0)")
+    assert real_model.weights == "gguf (210 Q4_1, 1 Q8_0), int8 activations", real_model.weights
     # The blocks' cache lies beside the de-quantized checkpoint: vLLM loads every *.safetensors inside it.
     ckpt = real_model.hf.name_or_path
     assert [p.name for p in Path(ckpt).glob("*.safetensors")] == ["model.safetensors"], ckpt
@@ -137,14 +189,29 @@ def test_real_gguf_keeps_every_block_exactly():
             assert torch.equal(q.weight, module.weight), name
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KERNELS)
 @pytest.mark.parametrize("bits", [4, 8])
-def test_many_rows_in_row_blocks_stay_row_invariant(isa, bits):
+def test_many_rows_in_row_blocks_stay_row_invariant(kind, bits):
     """A prefill-sized call runs its rows in blocks (x stays in L2): each row is still bitwise its lone result."""
     torch.manual_seed(2)
-    lin = QuantLinear(quantize(torch.randn(100, 192) * 0.05, bits), None, kernel_or_skip(isa))
+    lin = QuantLinear(quantize(torch.randn(100, 192) * 0.05, bits), None, kernel_or_skip(kind))
     x = torch.randn(300, 192)
     with torch.inference_mode():
         y = lin(x)
         for lo, hi in ((0, 1), (127, 129), (128, 300), (5, 261), (299, 300)):
             assert torch.equal(lin(x[lo:hi]), y[lo:hi]), (lo, hi)
+
+
+def test_unknown_activations_are_refused_before_loading(tmp_path):
+    """load_model names the choices; the CLI flag is a one-line usage error (exit 2)."""
+    import subprocess
+    import sys
+
+    from byblock.errors import ByblockError
+    from byblock.models.loading import load_model
+
+    with pytest.raises(ByblockError, match="unknown activations 'int4'; expected one of int8, fp32"):
+        load_model("no-such-model", activations="int4")
+    argv = [sys.executable, "-m", "byblock.cli.main", "generate", "hi", "--activations", "int4"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and "invalid choice: 'int4'" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -104,10 +104,12 @@ def make_target(
     row_invariant: bool = False,
     packed: bool = False,
     weights: str | None = None,
+    activations: str = "int8",
     **overrides,
 ):
     """A TargetModel over a tiny random model with the tiny tokenizer (optionally bf16 + row-invariant, fp32 on
-    byblock's packed GEMM as load_model sets it up, or with weights "int8" / "int4" on the quantized kernels)."""
+    byblock's packed GEMM as load_model sets it up, or with weights "int8" / "int4" on the quantized kernels,
+    taking "int8" or "fp32" activations)."""
     from byblock.kernels.invariant import enable_row_invariance
     from byblock.models.adapter import TargetModel
 
@@ -132,7 +134,7 @@ def make_target(
         from byblock.kernels.gqa_sdpa import enable_gqa_sdpa
         from byblock.kernels.quant_gemm import load_quant_kernel, quantize_linears
 
-        kernel = load_quant_kernel()
+        kernel = load_quant_kernel(activations=activations)
         if kernel is None:
             import pytest
 

@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from byblock.cli.dtype_args import add_dtype_args, relayout, resolve_placement, row_invariant
+from byblock.cli.dtype_args import add_dtype_args, load_target, resolve_placement
 from byblock.models.registry import DEFAULT_MODEL
 
 # Named runs: fixed methods, datasets and sizes, so that two machines' tables compare. The dev prompts are the
@@ -208,14 +208,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch < 1:
         raise ByblockError("--batch must be >= 1")
     datasets = load_datasets(args.dataset, args.dataset_path, args.limit)
-    target = load_model(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        row_invariant=row_invariant(args),
-        relayout=relayout(args),
-        weights=args.weights,
-    )
+    target = load_target(args)
     from byblock.cli.sparse_args import enable_sparse
 
     density = enable_sparse(target, args)

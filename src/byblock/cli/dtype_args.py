@@ -6,7 +6,7 @@ import argparse
 
 
 def add_dtype_args(parser: argparse.ArgumentParser) -> None:
-    """--device, --dtype, --weights, --linears and --no-row-invariance."""
+    """--device, --dtype, --weights, --activations, --linears and --no-row-invariance."""
     parser.add_argument(
         "--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: CUDA when a GPU is visible, else the CPU)"
     )
@@ -23,6 +23,13 @@ def add_dtype_args(parser: argparse.ArgumentParser) -> None:
         help="how linears hold their weights (auto: a GGUF's own Q4_0/Q4_1/Q4_K/Q8_0 blocks on the CPU, else "
         "the --dtype's floats; int8/int4: round-to-nearest groups of 32; all quantized kernels are CPU ones, "
         "row-invariant: kernels/quant_gemm.py)",
+    )
+    parser.add_argument(
+        "--activations",
+        default="int8",
+        choices=["int8", "fp32"],
+        help="quantized weights' inputs: int8 (quantized per row and group of 32, integer dot products: "
+        "fastest) or fp32 (the weights converted to float: closest to the float model); both row-invariant",
     )
     parser.add_argument(
         "--linears",
@@ -71,4 +78,5 @@ def load_target(args: argparse.Namespace):
         row_invariant=row_invariant(args),
         relayout=relayout(args),
         weights=args.weights,
+        activations=args.activations,
     )

@@ -7,7 +7,7 @@ import json
 import sys
 
 from byblock.cli import speculative_args
-from byblock.cli.dtype_args import add_dtype_args, relayout, resolve_placement, row_invariant
+from byblock.cli.dtype_args import add_dtype_args, load_target, resolve_placement
 from byblock.cli.sampling_args import add_sampling_args, sampling_params
 from byblock.cli.sparse_args import add_sparse_args, enable_sparse
 from byblock.cli.verify_args import add_verify_args, guard_config
@@ -75,7 +75,6 @@ def run(args: argparse.Namespace) -> int:
         return run_dllm(args)
     from byblock.drafters import DrafterSpec, build_drafter
     from byblock.engine.api import stream
-    from byblock.models.loading import load_model
 
     params = sampling_params(args, args.max_new_tokens or 256)
     if args.verify != "lossless" and args.drafter == "none":
@@ -93,15 +92,7 @@ def run(args: argparse.Namespace) -> int:
         ngram_max=args.ngram_max,
         adaptive=args.adaptive,
     )
-    model = load_model(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        trust_remote_code=args.trust_remote_code,
-        row_invariant=row_invariant(args),
-        relayout=relayout(args),
-        weights=args.weights,
-    )
+    model = load_target(args)
     density = enable_sparse(model, args)
     drafter = build_drafter(spec, model, dtype=args.dtype)
     gen = stream(model, args.prompt, params, drafter=drafter, chat=not args.no_chat, guard=guard)

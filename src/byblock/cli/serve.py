@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 
-from byblock.cli.dtype_args import add_dtype_args, relayout, resolve_placement, row_invariant
+from byblock.cli.dtype_args import add_dtype_args, load_target, resolve_placement
 from byblock.errors import ByblockError
 from byblock.models.registry import DEFAULT_MODEL
 
@@ -212,20 +212,11 @@ def _ar_core(args: argparse.Namespace, batch):
     from byblock.drafters import DrafterSpec, build_drafter
     from byblock.engine.batched import BatchedEngineCore
     from byblock.engine.core import SerialEngineCore
-    from byblock.models.loading import load_model
 
     knobs = {"block_size": args.block_size, "tree_budget": args.tree_budget, "num_candidates": args.num_candidates}
     knobs |= {k: getattr(args, k) for k in ("ngram_min", "ngram_max") if hasattr(args, k)}  # --speculative-config
     specs = {text: DrafterSpec.parse(text, **knobs) for text in dict.fromkeys(args.drafter)}
-    model = load_model(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        trust_remote_code=args.trust_remote_code,
-        row_invariant=row_invariant(args),
-        relayout=relayout(args),
-        weights=args.weights,
-    )
+    model = load_target(args)
     from byblock.cli.sparse_args import enable_sparse
 
     enable_sparse(model, args)

@@ -34,14 +34,23 @@ ISA_FLAGS = {
     "avx512": (*AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-ffp-contract=off"),
 }
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
+# How the activations meet the weights: "int8" quantizes each row per group of 32 and sums in integers
+# (csrc/quant_dot.cpp, llama.cpp's recipe; the avx512 build needs VNNI); "fp32" converts the weights to float and
+# sums in fp32 (csrc/quant_gemm.cpp; equal to the de-quantized weight's product to fp32 tolerance, slower once
+# a call has more than a few rows).
+ACTIVATIONS = ("int8", "fp32")
+LIBRARY = {"int8": "quant_dot", "fp32": "quant_gemm"}
+EXTRA_FLAGS = {"int8": ("-mavx512vnni",), "fp32": ()}  # the avx512 build's
+EXTRA_CPU_FLAGS = {"int8": frozenset({"avx512_vnni"}), "fp32": frozenset()}
 
 
 class QuantGemm:
     """The compiled kernels: y = x W^T (+ b) for int4 or int8 grouped weights, any number of rows."""
 
-    def __init__(self, library: ctypes.CDLL, isa: str) -> None:
+    def __init__(self, library: ctypes.CDLL, isa: str, activations: str = "fp32") -> None:
         self._lib = library
         self.isa = isa
+        self.activations = activations
         vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         library.byblock_int4_linear.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, vp, i32]
         library.byblock_int4_linear.restype = None
@@ -84,33 +93,64 @@ class QuantGemm:
                 )  # fmt: skip
         return y.view(*x.shape[:-1], out_features)
 
+    def quantize_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The int8 kernel's own activation quantization of x [M, K] (for tests): codes, d, d * sum(codes)."""
+        if self.activations != "int8":
+            raise ValueError("only the int8-activation kernel quantizes its activations")
+        x = x.float().contiguous()
+        m, k = x.shape
+        codes = torch.empty(m, k, dtype=torch.int8)
+        d, dsum = torch.empty(m, k // GROUP), torch.empty(m, k // GROUP)
+        self._lib.byblock_quantize_activations.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [
+            ctypes.c_void_p
+        ] * 3
+        self._lib.byblock_quantize_activations(x.data_ptr(), m, k, codes.data_ptr(), d.data_ptr(), dsum.data_ptr())
+        return codes, d, dsum
 
-def best_isa() -> str:
-    """The widest build this CPU runs: "avx512" (16-lane) or "avx2" (8-lane, the portable path)."""
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 kernel's activation quantization in torch, op for op (the reference the tests hold it to): per row
+    and group of 32, d = max|x| / 127 and codes = round-half-even(x * (1 / d)); returns (codes int8 [M, K], d
+    [M, K/32], d * sum(codes) [M, K/32])."""
+    m, k = x.shape
+    groups = x.float().reshape(m, -1, GROUP)
+    d = groups.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    codes = torch.round(groups * inv[..., None]).clamp(-127, 127)
+    return codes.to(torch.int8).reshape(m, k), d, d * codes.sum(-1)
+
+
+def best_isa(activations: str = "fp32") -> str:
+    """The widest build of that kernel this CPU runs: "avx512" (16-lane) or "avx2" (8-lane, the portable path)."""
     flags = cpu_flags() or frozenset()
-    return "avx512" if flags >= AVX512_CPU_FLAGS else "avx2"
+    return "avx512" if flags >= AVX512_CPU_FLAGS | EXTRA_CPU_FLAGS[activations] else "avx2"
 
 
 @functools.cache
-def load_quant_kernel(isa: str | None = None) -> QuantGemm | None:
-    """The quantized GEMM for this CPU (or the named build), compiled on first use; None where it cannot run.
+def load_quant_kernel(isa: str | None = None, activations: str = "int8") -> QuantGemm | None:
+    """The quantized GEMM for this CPU (or the named build) and activation format, compiled on first use; None
+    where it cannot run.
 
-    The two builds sum in different lane widths, so their outputs differ in the last bits; each is row-invariant
-    on its own, and a process uses one."""
-    isa = isa or best_isa()
+    Lanes are outputs and never mix (and the int8 kernel's sums are exact integers), so a kernel's avx2 and avx512
+    builds agree bitwise; every build is row-invariant."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"unknown activations {activations!r}; expected one of {list(ACTIVATIONS)}")
+    isa = isa or best_isa(activations)
     if isa not in ISA_FLAGS:
         raise ValueError(f"unknown ISA {isa!r}; expected one of {sorted(ISA_FLAGS)}")
-    library = load_library("quant_gemm", ISA_FLAGS[isa])
-    return None if library is None else QuantGemm(library, isa)
+    flags = ISA_FLAGS[isa] + (EXTRA_FLAGS[activations] if isa == "avx512" else ())
+    library = load_library(LIBRARY[activations], flags)
+    return None if library is None else QuantGemm(library, isa, activations)
 
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """One [N, K] weight in the kernel's layout (K a multiple of 32): outputs in panels of 16, P = ceil(N / 16).
+    """One [N, K] weight in the kernels' layout (K a multiple of 32): outputs in panels of 16, P = ceil(N / 16),
+    each group of 32 inputs in chunks of 64 bytes whose byte 4j + b belongs to output j (csrc/quant_gemm.cpp).
 
-    bits 4: q uint8 [P, K/32, 16, 16]: per group, 16 input pairs x 16 outputs, input 2i in the low nibble and
-            2i + 1 in the high one; w = scale * q + minv.
-    bits 8: q uint8 [P, K/32, 32, 16] holding int8 values; w = scale * q.
+    bits 4: q uint8 [P, K/32, 4, 64]: chunk c, byte 4j + b: input 4c + b in the low nibble, 16 + 4c + b in the
+            high one; w = scale * q + minv.
+    bits 8: q uint8 [P, K/32, 8, 64]: chunk t, byte 4j + b: input 4t + b as int8; w = scale * q.
     scale, minv: fp32 [P, K/32, 16] (padded outputs have scale 0). Build one with `from_values`."""
 
     bits: int
@@ -123,7 +163,7 @@ class QuantWeight:
         if self.bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8, got {self.bits}")
         p, g, w = self.scale.shape
-        want = (p, g, 16 if self.bits == 4 else 32, PANEL)
+        want = (p, g, 4 if self.bits == 4 else 8, 4 * PANEL)
         if w != PANEL or tuple(self.q.shape) != want or self.q.dtype != torch.uint8:
             raise ValueError(f"q must be uint8 {want}, got {self.q.dtype} {tuple(self.q.shape)}")
         if (self.minv is None) != (self.bits == 8) or self.scale.dtype != torch.float32:
@@ -150,21 +190,23 @@ class QuantWeight:
 
         per_group = lambda t: panels(t.float()).permute(0, 2, 1).contiguous()  # noqa: E731 [P, G, 16]
         if bits == 4:
-            v = panels(values.to(torch.uint8)).reshape(p, PANEL, g, GROUP // 2, 2)
-            q = (v[..., 0] | (v[..., 1] << 4)).permute(0, 2, 3, 1)  # [P, G, 16 pairs, 16 outputs]
-            return cls(4, q.contiguous(), per_group(scale), per_group(minv), n)
-        v = panels(values.to(torch.int8).view(torch.uint8)).reshape(p, PANEL, g, GROUP)
-        return cls(8, v.permute(0, 2, 3, 1).contiguous(), per_group(scale), None, n)
+            v = panels(values.to(torch.uint8)).reshape(p, PANEL, g, 2, 4, 4)  # [P, j, G, nibble, c, b]
+            q = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [P, G, c, j, b]
+            return cls(4, q.reshape(p, g, 4, 4 * PANEL).contiguous(), per_group(scale), per_group(minv), n)
+        v = panels(values.to(torch.int8).view(torch.uint8)).reshape(p, PANEL, g, 8, 4)  # [P, j, G, t, b]
+        q = v.permute(0, 2, 3, 1, 4).reshape(p, g, 8, 4 * PANEL)
+        return cls(8, q.contiguous(), per_group(scale), None, n)
 
     def values(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The inverse of `from_values`: (values [N, K], scale [N, K/32], minv [N, K/32] or None)."""
         p, g = self.scale.shape[:2]
         n = self.out_features
         if self.bits == 4:
-            pairs = torch.stack([self.q & 0x0F, self.q >> 4], dim=-1)  # [P, G, 16, 16 outputs, 2]
-            v = pairs.permute(0, 3, 1, 2, 4).reshape(p * PANEL, g * GROUP)
+            chunks = self.q.reshape(p, g, 4, PANEL, 4)  # [P, G, c, j, b]
+            v = torch.stack([chunks & 0x0F, chunks >> 4], dim=2)  # [P, G, nibble, c, j, b]
+            v = v.permute(0, 4, 1, 2, 3, 5).reshape(p * PANEL, g * GROUP)
         else:
-            v = self.q.view(torch.int8).permute(0, 3, 1, 2).reshape(p * PANEL, g * GROUP)
+            v = self.q.view(torch.int8).reshape(p, g, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, -1)
         per_output = lambda t: t.permute(0, 2, 1).reshape(p * PANEL, g)[:n].contiguous()  # noqa: E731
         return v[:n], per_output(self.scale), None if self.minv is None else per_output(self.minv)
 

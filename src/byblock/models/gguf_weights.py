@@ -135,7 +135,7 @@ def quantize_from_gguf(model: nn.Module, gguf_path: Path, kernel: QuantGemm | No
     return report
 
 
-CACHE_NAME = "gguf-linears-v1.safetensors"  # bump the version when the kernel layout changes
+CACHE_NAME = "gguf-linears-v2.safetensors"  # bump the version when the kernel layout changes
 
 
 def _install(model: nn.Module, name: str, qweight: QuantWeight, kernel: QuantGemm | None) -> None:

@@ -23,7 +23,7 @@ from byblock.kernels.fast_linear import dual_layout_linears, relayout_linears
 from byblock.kernels.gqa_sdpa import enable_gqa_sdpa
 from byblock.kernels.invariant import enable_row_invariance, probe_row_invariance
 from byblock.kernels.packed_gemm import load_kernel, pack_linears
-from byblock.kernels.quant_gemm import load_quant_kernel, quantize_linears
+from byblock.kernels.quant_gemm import ACTIVATIONS, load_quant_kernel, quantize_linears
 from byblock.models.adapter import TargetModel
 from byblock.models.devices import DTYPES, WeightFormat, resolve_device, resolve_dtype, resolve_weights
 from byblock.models.gguf_weights import load_gguf_linears
@@ -181,6 +181,7 @@ def load_model(
     relayout: bool | str = True,
     row_invariant: bool | None = None,
     weights: str = "auto",
+    activations: str = "int8",
 ) -> TargetModel:
     """Load a causal LM and its tokenizer as a TargetModel.
 
@@ -206,7 +207,11 @@ def load_model(
             where the model comes from a GGUF and runs on the CPU in float32, else floats), "fp32" / "bf16"
             (floats of that dtype), "int8" / "int4" (round-to-nearest groups of 32) or "gguf" (the file's
             Q4_0 / Q4_1 / Q4_K / Q8_0 blocks as they are; other types stay float). Quantized linears run
-            byblock's row-invariant int4 / int8 kernels (kernels/quant_gemm.py) with fp32 activations.
+            byblock's row-invariant int4 / int8 kernels (kernels/quant_gemm.py).
+        activations: how quantized linears take their inputs: "int8" (each row quantized per group of 32 and
+            summed in integers, llama.cpp's recipe: fastest, within ~1 % of the float product) or "fp32" (the
+            weights converted to float: the de-quantized weight's product to fp32 tolerance, slower once a
+            call has more than a few rows). Both are row-invariant, so speculative output equals plain output.
     """
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -224,7 +229,9 @@ def load_model(
             "--dtype float32 here"
         )
     source = gguf_source(name_or_path)
-    quant_kernel = load_quant_kernel() if on_cpu else None
+    if activations not in ACTIVATIONS:
+        raise ByblockError(f"unknown activations {activations!r}; expected one of {', '.join(ACTIVATIONS)}")
+    quant_kernel = load_quant_kernel(activations=activations) if on_cpu else None
     if relayout is False and weights == "auto":
         weights = "fp32" if dtype == torch.float32 else "bf16"  # "as loaded": the checkpoint's floats
     fmt = resolve_weights(
@@ -257,6 +264,8 @@ def load_model(
     if not on_cpu:  # the portable path: transformers' modules with the device's library kernels
         return TargetModel(model.to(device).eval(), tok, name=name_or_path)
     described = _quantize(model, fmt, source, Path(ckpt), quant_kernel) if fmt.quantized else str(dtype)[6:]
+    if fmt.quantized:
+        described += f", {activations} activations"
     if row_invariant is None:
         row_invariant = dtype == torch.bfloat16
     if row_invariant:

@@ -4,9 +4,11 @@
 // the GGUF the user gave us is 0.56-1.06 bytes. Keeping the file's blocks (Q4_0, Q4_1, Q4_K, Q8_0) streams
 // 4-7x fewer bytes, and a small model's weights then fit in L3.
 //
-// Layout: outputs in panels of 16 (one AVX-512 register, two AVX2 ones); for each panel and group of 32 inputs,
-//   int4: 16 pairs of inputs (k, k+1) x 16 outputs, one byte each: input k in the low nibble, k+1 in the high;
-//   int8: 32 inputs x 16 outputs, one byte each;
+// Layout (shared with quant_dot.cpp): outputs in panels of 16; per panel and group of 32 inputs, chunks of 64
+// bytes, byte 4j + b of a chunk belonging to output j (so one 64-byte load is 16 lanes of 4 bytes, the shape of an
+// integer dot-product instruction):
+//   int4: 4 chunks; chunk c holds inputs 4c + b in the low nibbles and 16 + 4c + b in the high ones;
+//   int8: 8 chunks; chunk t holds inputs 4t + b as int8;
 //   scale (and for int4 min) per output and group, fp32: w = scale * q + min (int4, q in 0..15), w = scale * q
 //   (int8, q in -128..127). Q4_0 (min = -8 d), Q4_1, Q4_K (scale = d * sc, min = -dmin * m) and Q8_0 map onto
 //   it with the exact values the GGUF de-quantizer gives.
@@ -46,9 +48,13 @@ inline void vstore(float* y, const V* t, const float* bias, int n) {
   if (bias) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), bias));
   _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << n) - 1), s);
 }
-// One panel's 16 codes as HALVES float registers.
-inline void u8x16(__m128i q, V* w) { w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)); }
-inline void i8x16(__m128i q, V* w) { w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+using VI = __m512i;
+inline VI iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+// The 4-bit code at `bit` of each lane, and the int8 at `bit`, as floats.
+inline V codes4(VI v, int bit) {
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, bit), _mm512_set1_epi32(0x0F)));
+}
+inline V codes8(VI v, int bit) { return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - bit), 24)); }
 #else
 constexpr int HALVES = 2;
 constexpr int MAX_ROWS = 2;
@@ -67,38 +73,41 @@ inline void vstore(float* y, const V* t, const float* bias, int n) {
   vstore8(y, t[0], bias, n < 8 ? n : 8);
   if (n > 8) vstore8(y + 8, t[1], bias ? bias + 8 : nullptr, n - 8);
 }
-inline void u8x16(__m128i q, V* w) {
-  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
-  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
+using VI = __m256i;
+inline VI iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline V codes4(VI v, int bit) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, bit), _mm256_set1_epi32(0x0F)));
 }
-inline void i8x16(__m128i q, V* w) {
-  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
-}
+inline V codes8(VI v, int bit) { return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - bit), 24)); }
 #endif
 constexpr int LANES = W / HALVES;
 constexpr int64_t ROW_BLOCK = 128;  // rows per block of a many-rows call (their x stays in L2)
 
-// The integer codes of two consecutive inputs (k even, k + 1) for one panel, as floats.
+// The integer codes of inputs 2i and 2i + 1 of a group, for one panel, as floats. A chunk's 4 bytes per output
+// sit in one 32-bit lane, so a code is a shift and a mask (int4) or a sign-extending shift pair (int8) away.
 struct Int4 {
-  static constexpr int PAIR_BYTES = W;       // 16 bytes hold both inputs
-  static constexpr int GROUP_BYTES = 16 * W;  // 16 pairs
+  static constexpr int GROUP_BYTES = 4 * 64;
   static constexpr bool HAS_MIN = true;
-  static inline void pair(const uint8_t* q, V* even, V* odd) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    u8x16(_mm_and_si128(b, mask), even);
-    u8x16(_mm_and_si128(_mm_srli_epi16(b, 4), mask), odd);
+  static inline void pair(const uint8_t* group, int i, V* even, V* odd) {
+    const int nibble = i < 8 ? 0 : 4, c = (i % 8) / 2, b = 2 * (i % 2);
+    for (int h = 0; h < HALVES; ++h) {
+      const VI lanes = iload(group + c * 64 + h * (64 / HALVES));
+      even[h] = codes4(lanes, 8 * b + nibble);
+      odd[h] = codes4(lanes, 8 * (b + 1) + nibble);
+    }
   }
 };
 
 struct Int8 {
-  static constexpr int PAIR_BYTES = 2 * W;
-  static constexpr int GROUP_BYTES = 32 * W;
+  static constexpr int GROUP_BYTES = 8 * 64;
   static constexpr bool HAS_MIN = false;
-  static inline void pair(const uint8_t* q, V* even, V* odd) {
-    i8x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), even);
-    i8x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + W)), odd);
+  static inline void pair(const uint8_t* group, int i, V* even, V* odd) {
+    const int t = i / 2, b = 2 * (i % 2);
+    for (int h = 0; h < HALVES; ++h) {
+      const VI lanes = iload(group + t * 64 + h * (64 / HALVES));
+      even[h] = codes8(lanes, 8 * b);
+      odd[h] = codes8(lanes, 8 * (b + 1));
+    }
   }
 };
 
@@ -124,12 +133,13 @@ void tile(const float* __restrict x, int64_t K, const float* __restrict xsum, co
       for (int p = 0; p < NP; ++p)
 #pragma GCC unroll 2
         for (int h = 0; h < HALVES; ++h) acc[r][p][0][h] = acc[r][p][1][h] = vzero();
+#pragma GCC unroll 16
     for (int i = 0; i < GROUP / 2; ++i) {
       const int64_t k = g * GROUP + 2 * i;
 #pragma GCC unroll 4
       for (int p = 0; p < NP; ++p) {
         V even[HALVES], odd[HALVES];
-        Q::pair(q + p * panel_stride + g * Q::GROUP_BYTES + i * Q::PAIR_BYTES, even, odd);
+        Q::pair(q + p * panel_stride + g * Q::GROUP_BYTES, i, even, odd);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
           const V xe = vbcast(x + r * K + k), xo = vbcast(x + r * K + k + 1);
@@ -237,13 +247,13 @@ extern "C" {
 int byblock_quant_group() { return GROUP; }
 int byblock_quant_panel() { return W; }
 
-// x: [M, K] fp32 contiguous (K % 32 == 0); q: [P, K/32, 16, 16] bytes; scale, minv: [P, K/32, 16]; y: [M, N].
+// x: [M, K] fp32 contiguous (K % 32 == 0); q: [P, K/32, 4, 64] bytes; scale, minv: [P, K/32, 16]; y: [M, N].
 void byblock_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
                          const float* minv, int64_t N, const float* bias, float* y, int nthreads) {
   linear<Int4>(x, M, K, q, scale, minv, N, bias, y, nthreads);
 }
 
-// q: [P, K/32, 32, 16] int8; scale: [P, K/32, 16].
+// q: [P, K/32, 8, 64] int8; scale: [P, K/32, 16].
 void byblock_int8_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, int64_t N,
                          const float* bias, float* y, int nthreads) {
   linear<Int8>(x, M, K, q, scale, nullptr, N, bias, y, nthreads);
