@@ -4,7 +4,10 @@ plain tok/s and peak RSS, each format in its own process; and llama-server's pea
 Quantized decoding turns compute-bound sooner than fp32 (fewer bytes per weight, the same FLOPs), so a k-row
 verify costs more plain steps there: the adaptive drafters must see that curve, not fp32's.
 
-    python benchmarks/weights_cost_rss.py --weights fp32,int8,int4,gguf [--llama-server PATH]
+    python benchmarks/weights_cost_rss.py --weights fp32,int8,int4,gguf,gguf/fp32 [--llama-server PATH]
+
+A format may name the quantized linears' activations after a slash (gguf/fp32: the GGUF's blocks on fp32
+activations; the default is load_model's, int8).
 """
 
 from __future__ import annotations
@@ -19,15 +22,16 @@ import time
 KS = (1, 2, 4, 8, 16, 32)
 
 
-def child(weights: str) -> None:
-    """Load the default model with `weights`, measure, print one JSON line."""
+def child(spec: str) -> None:
+    """Load the default model with `spec` (weights[/activations]), measure, print one JSON line."""
     import torch
     from spec_ngram import forward_cost_curve  # the same curve as RESULTS §2
 
     from byblock import SamplingParams, generate, load_model
 
     torch.set_num_threads(os.cpu_count() or 1)
-    model = load_model("smollm2-135m", weights=weights)
+    weights, _, activations = spec.partition("/")
+    model = load_model("smollm2-135m", weights=weights, activations=activations or "int8")
     curve = forward_cost_curve(model, ks=KS)
     params = SamplingParams(max_new_tokens=96, ignore_eos=True)
     prompt = "Write a Python function that returns the first n prime numbers."
@@ -74,7 +78,7 @@ def llama_rss(binary: str) -> float:
 def main() -> None:
     """Parse flags, run each format, print the markdown table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--weights", default="fp32,int8,int4,gguf")
+    ap.add_argument("--weights", default="fp32,int8,int4,gguf,gguf/fp32")
     ap.add_argument("--llama-server", default=os.environ.get("BYBLOCK_LLAMA_SERVER"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()

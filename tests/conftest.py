@@ -33,12 +33,13 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return save_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
-def real_model_or_skip(name: str = "smollm2-135m", dtype: str = "float32"):
-    """Load a built-in real model, or skip when its package is not installed."""
+def real_model_or_skip(name: str = "smollm2-135m", dtype: str = "float32", activations: str = "int8"):
+    """Load a built-in real model (activations: how its quantized linears take inputs), or skip when its package is
+    not installed."""
     from byblock.models.registry import BUILTIN_MODELS
 
     if not BUILTIN_MODELS[name].installed():
         pytest.skip(f"{name} not installed")
     from byblock.models.loading import load_model
 
-    return load_model(name, dtype=dtype)
+    return load_model(name, dtype=dtype, activations=activations)

@@ -207,3 +207,20 @@ def test_sliding_window_drafter_is_lossless_and_round_trips_in_vllms_fields(tmp_
     loaded, _ = load_dflash(tmp_path / "swa")
     assert loaded.config.sliding_window == 6
     assert to_hf_config(make_dflash(target).config)["dflash_config"].get("use_swa") is None
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_drafter_beside_a_quantized_target_runs_int8_groups_and_is_lossless(tmp_path, weights):
+    """build_dflash puts the drafter on the target's quantized kernel (int8 groups): a cheap drafter for a cheap
+    target, and greedy output still equals plain decoding on that target."""
+    from byblock.kernels.quant_gemm import QuantLinear
+
+    target = make_target("llama", weights=weights)
+    save_dflash(make_dflash(target, block=6), tmp_path / "ck", dtype=torch.float32)
+    drafter = build_drafter(DrafterSpec.parse(f"dflash:{tmp_path / 'ck'}"), target)
+    layers = [m for m in drafter.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.qweight.bits == 8 for m in layers)
+    assert not any(type(m) is torch.nn.Linear for m in drafter.model.modules())
+    for prompt in ([5, 17, 33, 9], [7, 7, 7]):
+        _, spec = greedy_outputs_match(target, prompt, SamplingParams(max_new_tokens=40), drafter)
+        assert spec.stats.rounds > 0

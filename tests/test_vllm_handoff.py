@@ -54,6 +54,9 @@ def test_vllm_peers_match_byblock(tmp_path, vllm_python):
     real_model_or_skip()
     cmd = [*CLI, "bench", "--methods", "ar,dflash,vllm,vllm-dflash", "--dataset", str(PROMPTS), "--limit", "4"]
     cmd += ["--max-new-tokens", "64", "--batch", "2", "--no-plots", "--quiet", "--out", str(tmp_path / "out")]
+    # vLLM computes the GGUF's de-quantized floats on fp32 activations: byblock on the same function, so every
+    # output can be token-identical (int8 activations are another function, within ~1 %).
+    cmd += ["--activations", "fp32"]
     env = {**os.environ, "BYBLOCK_VLLM_PYTHON": str(vllm_python)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -81,7 +84,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, seconds: float) -> None:
 
 
 def test_launch_vllm_serves_the_drafter(tmp_path, vllm_python):
-    model = real_model_or_skip()
+    model = real_model_or_skip(activations="fp32")  # vLLM's function: the de-quantized floats, fp32 activations
     port = free_port()
     cmd = [*CLI, "launch", "vllm", "--port", str(port), "--cpu-kv-cache-gib", "2", "--max-model-len", "2048", "--run"]
     env = {**os.environ, "BYBLOCK_VLLM_PYTHON": str(vllm_python), "VLLM_LOGGING_LEVEL": "WARNING"}

@@ -153,10 +153,12 @@ def shipped_dflash_dir(target_name: str) -> Path:
 
 
 def build_dflash(spec: DrafterSpec, target: TargetModel, dtype: str = "float32") -> DFlashDrafter:
-    """A DFlash drafter from a checkpoint dir (or the one shipped for the target), in the target's dtype."""
+    """A DFlash drafter from a checkpoint dir (or the one shipped for the target), in the target's dtype, on the
+    target's kernels (int8 groups beside a quantized target, packed fp32 beside a packed one)."""
     from byblock.drafters.dflash_format import load_dflash
     from byblock.kernels import invariant_head
     from byblock.kernels.packed_gemm import load_kernel, pack_linears
+    from byblock.kernels.quant_gemm import QuantLinear, quantize_linears
     from byblock.models.loading import DTYPES
 
     path = Path(spec.model).expanduser() if spec.model else shipped_dflash_dir(target.name)
@@ -165,7 +167,11 @@ def build_dflash(spec: DrafterSpec, target: TargetModel, dtype: str = "float32")
     vocab = None if vocab is None else vocab.to(target.device)
     head = target.hf.get_output_embeddings()
     fp32 = next(model.parameters()).dtype == torch.float32
-    if fp32 and invariant_head(head) is not None and (kernel := load_kernel()) is not None:
+    if fp32 and isinstance(head, QuantLinear):
+        # A quantized target runs ~2x cheaper per step; an fp32 drafter beside it would eat the gain. int8 groups
+        # (not int4) keep the drafter's proposals, and so its acceptance, closest to the fp32 drafter's.
+        quantize_linears(model, 8, head.kernel)
+    elif fp32 and invariant_head(head) is not None and (kernel := load_kernel()) is not None:
         pack_linears(model, kernel)  # the drafter follows the target onto row-invariant kernels (packed fp32)
     return DFlashDrafter(model, target, block=spec.block_size, draft_vocab=vocab)
 

@@ -87,7 +87,7 @@ class DllmSequence:
     def segment(self, mask_id: int, size: int, ones: torch.Tensor) -> tuple[SegmentInput, int]:
         """This step's segment and how many logits rows it needs."""
         if self.phase is Phase.PREFILL:
-            return SegmentInput(self.cache, list(self.req.prompt_ids)), 0
+            return SegmentInput(self.cache, list(self.req.prompt_ids), prompt=True), 0
         if self.phase is Phase.COMMIT:
             return SegmentInput(self.cache, self.decided, tree_mask=ones), 0
         if self.block is None:

@@ -130,7 +130,7 @@ class Sequence:
         ids = source[self.prefilled : self.prefilled + rows]
         done = self.prefilled + len(ids) == len(source)
         logits = 1 if done and not self.tokens else 0  # a recomputed request's root is already chosen
-        segment = SegmentInput(self.cache, ids)
+        segment = SegmentInput(self.cache, ids, prompt=True)
         return Round(segment, rows=logits, past=self.prefilled, draft=None, prefill=True, prefill_done=done)
 
     def depth_budget(self) -> int:

@@ -13,6 +13,11 @@ Causal rows run in query tiles aligned to absolute positions (multiples of PREFI
 forward or in several chunks. Torch's CPU kernel blocks a call's queries by the call's length, so one
 600-token call and two 300-token calls round differently (~1e-6 in the logits); aligned tiles make chunked
 prefill (engine/scheduler.py) bitwise the unchunked one, so a chunked request still gets its solo tokens.
+
+Rows with a cached past that are not a prompt's (decode steps, chain and tree verifies) run the row-local kernel
+instead where it builds (CPU, fp32; kernels/row_attention.py): each row over exactly its visible keys, so a
+verified token gets bitwise the attention its plain decode step gets. Prompt chunks say so (PROMPT_KWARG) and
+keep the tiles, which is what keeps a chunked prompt bitwise its unchunked prefill.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from byblock.kernels.ragged import BATCH_KWARG
+from byblock.kernels.ragged import BATCH_KWARG, PROMPT_KWARG
+from byblock.kernels.row_attention import load_row_attention, visible_rows
 
 NAME = "byblock_sdpa"
 PREFILL_TILE = 64  # query rows per kernel call for causal rows; prefill chunks are multiples of it
@@ -45,7 +51,13 @@ def gqa_sdpa_attention_forward(
         )
     if kwargs.get("softcap") is not None:
         raise ValueError("byblock's SDPA attention does not support softcapping; load the model with eager attention")
+    prompt = kwargs.pop(PROMPT_KWARG, False)
     t = query.shape[2]
+    if not prompt and key.shape[2] > t and not dropout and query.dtype == torch.float32 and query.is_cpu:
+        rows = visible_rows(attention_mask, t, key.shape[2])
+        if rows is not False and (kernel := load_row_attention()) is not None:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return kernel(query, key, value, rows, scale), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(t > 1 and attention_mask is None and causal)
     if causal and key.shape[2] != t:  # an unmasked causal call is a prefill over exactly its own tokens

@@ -25,6 +25,9 @@ if TYPE_CHECKING:  # the attention kernels import this module: no runtime import
     from byblock.kv.kv_cache import KVCache
 
 BATCH_KWARG = "byblock_batch"  # the forward kwarg that carries a PackedBatch to the attention functions
+# The attention kwarg that marks rows as a prompt's (a prefill or a prefill chunk): they keep the aligned SDPA
+# tiles, so a chunked prompt stays bitwise its one-forward prefill (kernels/gqa_sdpa.py).
+PROMPT_KWARG = "byblock_prompt"
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Segment:
     end: int  # one past the last packed row
     masks: dict[str, torch.Tensor | None]
     row_plan: RowPlan | None = None
+    prompt: bool = False  # a prompt's rows (see PROMPT_KWARG)
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class PackedBatch:
             k, v = seg.cache.append(layer, key[:, :, rows], value[:, :, rows])
             if state is not None:
                 state.plan = seg.row_plan
-            out, _ = inner(module, query[:, :, rows], k, v, seg.masks.get(kind), **kwargs)
+            extra = {PROMPT_KWARG: True} if seg.prompt else {}
+            out, _ = inner(module, query[:, :, rows], k, v, seg.masks.get(kind), **kwargs, **extra)
             outs.append(out)
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], None

@@ -15,7 +15,7 @@ from byblock.kernels.gqa_sdpa import NAME as GQA_SDPA
 from byblock.kernels.gqa_sdpa import gqa_sdpa_attention_forward
 from byblock.kernels.invariant import NAME as INVARIANT_ATTENTION
 from byblock.kernels.invariant import ROW_CHUNK, RowPlan
-from byblock.kernels.ragged import BATCH_KWARG, PackedBatch, Segment
+from byblock.kernels.ragged import BATCH_KWARG, PROMPT_KWARG, PackedBatch, Segment
 from byblock.kv.h2o import H2OState, tree_parents
 from byblock.kv.kv_cache import KVCache, StreamingWindow
 from byblock.models.decoder import DecoderForward
@@ -38,6 +38,7 @@ class SegmentInput:
     input_ids: list[int]
     positions: torch.Tensor | None = None  # [T] absolute RoPE positions (default: contiguous after the cache)
     tree_mask: torch.Tensor | None = None  # [T, T] bool ancestor-or-self mask of a draft tree; None = causal
+    prompt: bool = False  # a prompt's rows (a prefill chunk): see TargetModel.forward's `prompt`
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class TargetModel:
         logits_to_keep: int,
         hidden_layers: tuple[int, ...],
         defer_logits: bool,
+        prompt: bool,
     ) -> ForwardOutput:
         """`forward` through models/decoder.py: the same masks, cache appends and attention kernel."""
         t = input_ids.shape[1]
@@ -157,10 +159,11 @@ class TargetModel:
         else:
             mask = self._segment_masks(cache, positions[0], tree_mask)["full_attention"]
         cache.record(positions[0])
+        extra = {PROMPT_KWARG: True} if prompt else {}
 
         def attend(module, q, k, v):
             k, v = cache.append(module.layer_idx, k, v)
-            return gqa_sdpa_attention_forward(module, q, k, v, mask, scaling=module.scaling)[0]
+            return gqa_sdpa_attention_forward(module, q, k, v, mask, scaling=module.scaling, **extra)[0]
 
         assert self.decoder is not None
         final, layers = self.decoder(input_ids, positions, attend, hidden_layers)
@@ -249,7 +252,7 @@ class TargetModel:
             last = i == len(chunks) - 1
             cache.evict()
             keep = 0 if need_all else (logits_to_keep if last else 1)  # 1: the least transformers computes
-            out = self.forward(chunk, cache, logits_to_keep=keep, hidden_layers=hidden_layers)
+            out = self.forward(chunk, cache, logits_to_keep=keep, hidden_layers=hidden_layers, prompt=True)
             if need_all or last:
                 logits.append(out.logits)
             if out.hidden is not None:
@@ -271,6 +274,7 @@ class TargetModel:
         logits_to_keep: int = 0,
         hidden_layers: tuple[int, ...] = (),
         defer_logits: bool = False,
+        prompt: bool = False,
     ) -> ForwardOutput:
         """Run new tokens through the model, appending their K/V to `cache`.
 
@@ -285,6 +289,10 @@ class TargetModel:
             defer_logits: return the last layer's normed states (`final`) and no logits, where the model's
                 logits are exactly `head` of them (`defers_logits`); the caller runs `head` on the rows it
                 reads (verify/rows.py). Elsewhere the logits are computed as usual.
+            prompt: these rows are (a chunk of) a prompt: with a cached past they keep SDPA's aligned tiles, so
+                a chunked prompt is bitwise its one-forward prefill. Other rows with a past (decode steps,
+                verifies) run the row-local kernel on the CPU in fp32 (kernels/row_attention.py), so a verified
+                token gets bitwise its plain decode step's attention. Rows without a past are always a prompt.
         """
         past = cache.length
         bsz, t = input_ids.shape
@@ -296,7 +304,7 @@ class TargetModel:
             positions = torch.arange(start, start + t, device=self.device).expand(bsz, t)
         if bsz == 1 and attention_mask is None and self._own_forward_applies(cache):
             return self._own_forward(
-                input_ids, cache, positions, tree_mask, logits_to_keep, hidden_layers, defer_logits
+                input_ids, cache, positions, tree_mask, logits_to_keep, hidden_layers, defer_logits, prompt
             )
         mask: object = attention_mask
         if cache.window is not None:
@@ -317,6 +325,8 @@ class TargetModel:
             self.hf.config.byblock_row_invariance.plan = RowPlan.build(past, visible) if past > 0 else None
         cache.record(positions[0])
         kwargs = {"input_ids": input_ids, "cache": cache.hf, "position_ids": positions, "attention_mask": mask}
+        if prompt:
+            kwargs[PROMPT_KWARG] = True
         defer = defer_logits and self._defers_logits is True
         check = defer_logits and self._defers_logits is None
         if defer:  # the decoder stack alone; the caller applies `head` to the rows it reads
@@ -399,7 +409,7 @@ class TargetModel:
                     visible = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
                 row_plan = RowPlan.build(cache.length, visible)
             cache.record(p)
-            plan.append(Segment(cache, start, start + t, masks, row_plan))
+            plan.append(Segment(cache, start, start + t, masks, row_plan, seg.prompt))
             parts.extend(seg.input_ids)
             pos.append(p)
             start += t
@@ -465,7 +475,13 @@ class TargetModel:
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         lazy = self.defers_logits()
         out = self.forward(
-            ids, seg.cache, positions=positions, tree_mask=seg.tree_mask, hidden_layers=hidden_layers, defer_logits=lazy
+            ids,
+            seg.cache,
+            positions=positions,
+            tree_mask=seg.tree_mask,
+            hidden_layers=hidden_layers,
+            defer_logits=lazy,
+            prompt=seg.prompt,
         )
         if out.final is not None:  # the head on the rows asked for, as the packed forward's head pass runs it
             logits, final = self.head(out.final[0, rows]), out.final[0]

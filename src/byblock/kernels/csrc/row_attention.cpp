@@ -1,0 +1,152 @@
+// Attention for decode and verify rows, one (batch, head, query row) at a time over exactly its visible keys:
+// out = softmax(scale * q K_vis^T) V_vis, with every reduction in an order fixed by the visible keys alone.
+//
+// Why: speculative decoding is lossless only if a verify forward gives each row bitwise what a plain decode
+// step gives it. Torch's CPU SDPA blocks a call's query rows and keys by the call's shape, and a row's masked
+// keys still enter its sums as zeros, so a row verified among k others and the same row decoded alone round
+// differently (~1e-7 in the attention output). In fp32 with float activations that almost never flips a token;
+// with int8 activations (quant_dot.cpp) such a difference can move a value across a rounding boundary of its
+// group's quantization and change the logits by ~0.5: speculative output then differs from plain output on most
+// prompts. Here a row's result depends only on q and its visible keys in slot order: decode (one row, all keys),
+// a chain verify (causal rows) and a tree verify (mask rows: the past plus the row's ancestors, in slot order,
+// which is the accepted path's order) compute the same bits. Masked keys are skipped, never summed as zeros.
+//
+// Per row: scores s_i = scale * dot(q, k_i) (8-lane FMAs over the head dim, one fixed horizontal sum), the
+// exact max m, p_i = exp(s_i - m) by one vector exp (every element through the same code, the tail padded),
+// l = sum p_i in 8 lanes by i mod 8 then one fixed horizontal sum, out = (sum_i p_i v_i) * (1 / l) with each
+// output element accumulated over i in order. Compiled with -ffp-contract=off so the scalar tails never fuse.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include <vector>
+
+namespace {
+
+inline float hsum8(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 sh = _mm_movehdup_ps(lo);
+  __m128 s = _mm_add_ps(lo, sh);
+  sh = _mm_movehl_ps(sh, s);
+  return _mm_cvtss_f32(_mm_add_ss(s, sh));
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  if (i + 8 <= d) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    i += 8;
+  }
+  float s = hsum8(_mm256_add_ps(acc0, acc1));
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Cephes' expf on 8 lanes (~1 ulp on the range softmax uses: x <= 0).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+constexpr int CHUNK = 32;  // output elements accumulated in registers per pass over the keys
+
+}  // namespace
+
+extern "C" {
+
+// q: [B, H, T, D] at strides (qb, qh, qt), unit stride over D; k, v: [B, Hkv, S, D] at strides (kb, kh, ks) and
+// (vb, vh, vs); visible: null (causal: row t sees keys 0 .. S - T + t) or uint8 [Bm, T, S] contiguous, Bm = 1 or B
+// (nonzero: visible); out: [B, T, H, D] contiguous. H must be a multiple of Hkv (grouped-query heads).
+void byblock_row_attention(const float* q, int64_t B, int64_t H, int64_t T, int64_t D, int64_t qb, int64_t qh,
+                           int64_t qt, const float* k, const float* v, int64_t Hkv, int64_t S, int64_t kb,
+                           int64_t kh, int64_t ks, int64_t vb, int64_t vh, int64_t vs, const uint8_t* visible,
+                           int64_t mask_batches, float scale, float* out, int threads) {
+  const int64_t group = H / Hkv;
+  const int64_t items = B * H * T;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> p(S + 8);
+    std::vector<int64_t> idx(S);
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t b = item / (H * T), h = (item / T) % H, t = item % T;
+      const float* qr = q + b * qb + h * qh + t * qt;
+      const float* kr = k + b * kb + (h / group) * kh;
+      const float* vr = v + b * vb + (h / group) * vh;
+      float* o = out + ((b * T + t) * H + h) * D;
+      int64_t n = 0;
+      if (visible == nullptr) {
+        n = S - T + t + 1;
+        for (int64_t j = 0; j < n; ++j) idx[j] = j;
+      } else {
+        const uint8_t* row = visible + ((mask_batches == 1 ? 0 : b) * T + t) * S;
+        for (int64_t j = 0; j < S; ++j)
+          if (row[j]) idx[n++] = j;
+      }
+      if (n <= 0) {  // no visible key: zeros (SDPA would give NaN; no caller builds such a row)
+        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+        continue;
+      }
+      float m = -INFINITY;
+      for (int64_t i = 0; i < n; ++i) {
+        p[i] = dot(qr, kr + idx[i] * ks, D) * scale;
+        m = p[i] > m ? p[i] : m;
+      }
+      const int64_t padded = (n + 7) / 8 * 8;
+      for (int64_t i = n; i < padded; ++i) p[i] = m;
+      const __m256 vm = _mm256_set1_ps(m);
+      __m256 lsum = _mm256_setzero_ps();
+      for (int64_t i = 0; i < padded; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&p[i]), vm));
+        _mm256_storeu_ps(&p[i], e);
+      }
+      for (int64_t i = n; i < padded; ++i) p[i] = 0.0f;
+      for (int64_t i = 0; i < padded; i += 8) lsum = _mm256_add_ps(lsum, _mm256_loadu_ps(&p[i]));
+      const float inv = 1.0f / hsum8(lsum);
+      for (int64_t d0 = 0; d0 < D; d0 += CHUNK) {
+        const int64_t w = D - d0 < CHUNK ? D - d0 : CHUNK;
+        if (w == CHUNK) {
+          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+                 a3 = _mm256_setzero_ps();
+          for (int64_t i = 0; i < n; ++i) {
+            const float* vv = vr + idx[i] * vs + d0;
+            const __m256 pi = _mm256_set1_ps(p[i]);
+            a0 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vv), a0);
+            a1 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vv + 8), a1);
+            a2 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vv + 16), a2);
+            a3 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vv + 24), a3);
+          }
+          const __m256 vi = _mm256_set1_ps(inv);
+          _mm256_storeu_ps(o + d0, _mm256_mul_ps(a0, vi));
+          _mm256_storeu_ps(o + d0 + 8, _mm256_mul_ps(a1, vi));
+          _mm256_storeu_ps(o + d0 + 16, _mm256_mul_ps(a2, vi));
+          _mm256_storeu_ps(o + d0 + 24, _mm256_mul_ps(a3, vi));
+        } else {
+          for (int64_t d = d0; d < d0 + w; ++d) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < n; ++i) acc += p[i] * vr[idx[i] * vs + d];
+            o[d] = acc * inv;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // extern "C"

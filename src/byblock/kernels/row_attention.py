@@ -1,0 +1,105 @@
+"""Row-local attention for decode and verify forwards on the CPU (csrc/row_attention.cpp).
+
+Each (sequence, head, query row) is computed over exactly its visible keys, in slot order, with every reduction
+in an order fixed by those keys alone: a token decoded alone, verified in a chain of k or in a tree gets the
+same bits. Torch's SDPA does not give that (it blocks rows and keys by the call's shape and sums masked keys as
+zeros); with int8 activations the ~1e-7 differences it leaves are amplified by the activations' rounding into
+different tokens (dev/LOG.md, session 28). `row_attention` is the kernel, `reference_attention` the float64
+definition the tests hold it to, and `visible_rows` turns a caller's mask into the kernel's key sets (or says it
+cannot: then the caller keeps SDPA).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from byblock.kernels.build import AVX2_FLAGS, load_library
+
+FLAGS = (*AVX2_FLAGS, "-ffp-contract=off")
+
+
+class RowAttention:
+    """The compiled kernel (see the module docstring)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fn = library.byblock_row_attention
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn.argtypes = [vp, *[i64] * 7, vp, vp, *[i64] * 8, vp, i64, ctypes.c_float, vp, ctypes.c_int]
+        self._fn.restype = None
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        visible: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """query [B, H, T, D], key / value [B, Hkv, S, D] fp32 on the CPU (last dim contiguous), visible None
+        (causal: row t sees keys 0 .. S - T + t) or bool [B|1, T, S] -> [B, T, H, D] contiguous."""
+        b, h, t, d = query.shape
+        hkv, s = key.shape[1], key.shape[2]
+        if h % hkv:
+            raise ValueError(f"{h} query heads do not group over {hkv} key/value heads")
+        if visible is None and s < t:
+            raise ValueError("causal rows need at least as many keys as queries")
+        query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
+        mask = None if visible is None else visible.to(torch.uint8).contiguous()
+        if mask is not None and (mask.dim() != 3 or mask.shape[1:] != (t, s) or mask.shape[0] not in (1, b)):
+            raise ValueError(f"visible must be [1|{b}, {t}, {s}], got {list(mask.shape)}")
+        out = torch.empty(b, t, h, d, dtype=torch.float32)
+        if out.numel():
+            self._fn(
+                query.data_ptr(), b, h, t, d, query.stride(0), query.stride(1), query.stride(2),
+                key.data_ptr(), value.data_ptr(), hkv, s, key.stride(0), key.stride(1), key.stride(2),
+                value.stride(0), value.stride(1), value.stride(2),
+                None if mask is None else mask.data_ptr(), 1 if mask is None else mask.shape[0],
+                float(scale), out.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
+        return out
+
+
+@functools.cache
+def load_row_attention() -> RowAttention | None:
+    """The kernel compiled for this CPU (AVX2 + FMA), or None where it cannot be built."""
+    library = load_library("row_attention", FLAGS)
+    return None if library is None else RowAttention(library)
+
+
+def visible_rows(mask: torch.Tensor | None, t: int, s: int) -> torch.Tensor | bool | None:
+    """The key sets of a caller's attention mask as the kernel takes them: None (causal rows, or one row seeing
+    every key), a bool [B|1, T, S] tensor, or False where the mask is not a pure visibility mask (per-head masks,
+    or an additive mask with values other than 0 and the dtype's minimum: biases the kernel does not apply)."""
+    if mask is None:
+        return None
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-2:] != (t, s):
+        return False
+    rows = mask[:, 0]
+    if rows.dtype == torch.bool:
+        return rows
+    if not rows.is_floating_point():
+        return False
+    seen = rows == 0
+    if not bool((seen | (rows <= torch.finfo(rows.dtype).min / 2)).all()):
+        return False
+    return seen
+
+
+def reference_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """The kernel's definition in float64 (for tests): same shapes and meaning as RowAttention.__call__."""
+    h, t = query.shape[1], query.shape[2]
+    s = key.shape[2]
+    group = h // key.shape[1]
+    k = key.double().repeat_interleave(group, dim=1)
+    v = value.double().repeat_interleave(group, dim=1)
+    if visible is None:
+        visible = torch.ones(t, s, dtype=torch.bool).tril(diagonal=s - t)[None]
+    scores = (query.double() @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v
+    return out.transpose(1, 2).float().contiguous()

@@ -1,0 +1,130 @@
+"""The row-local attention kernel (kernels/row_attention.py): its float64 definition, its invariance (a row's bits
+depend only on its visible keys), its mask handling, and what it buys end to end: a verify forward gives every
+row bitwise the logits of plain decode steps, on every fp32 linear kind including int8 activations (where torch's
+SDPA left ~1e-7 differences that the activations' rounding turned into different tokens)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from tiny import make_target
+
+from byblock.kernels.row_attention import load_row_attention, reference_attention, visible_rows
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = load_row_attention()
+    if k is None:
+        pytest.skip("byblock's row attention does not build here (no g++ or no AVX2)")
+    return k
+
+
+def _qkv(b=2, h=6, hkv=2, t=5, s=40, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, t, d, generator=g)
+    return q, torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+
+
+@pytest.mark.parametrize("d", [64, 48, 13])  # register chunks, a partial chunk, scalar tails only
+def test_kernel_matches_the_float64_definition(kernel, d):
+    q, k, v = _qkv(d=d)
+    for visible in (None, torch.rand(2, 5, 40, generator=torch.Generator().manual_seed(1)) > 0.4):
+        out = kernel(q, k, v, visible, 0.3)
+        assert out.shape == (2, 5, 6, d)
+        torch.testing.assert_close(out, reference_attention(q, k, v, visible, 0.3), atol=2e-6, rtol=1e-5)
+
+
+def test_one_mask_row_broadcasts_over_the_batch(kernel):
+    q, k, v = _qkv()
+    visible = torch.rand(1, 5, 40, generator=torch.Generator().manual_seed(2)) > 0.5
+    torch.testing.assert_close(kernel(q, k, v, visible, 0.125), kernel(q, k, v, visible.expand(2, 5, 40), 0.125))
+
+
+def test_a_rows_bits_depend_only_on_its_visible_keys(kernel):
+    q, k, v = _qkv(t=7, s=50)
+    causal = kernel(q, k, v, None, 0.125)
+    for t in range(7):  # a chain row equals the same query decoded alone over its prefix
+        n = 50 - 7 + t + 1
+        assert torch.equal(kernel(q[:, :, t : t + 1], k[:, :, :n], v[:, :, :n], None, 0.125)[:, 0], causal[:, t])
+    visible = torch.rand(2, 7, 50, generator=torch.Generator().manual_seed(3)) > 0.6
+    tree = kernel(q, k, v, visible, 0.125)
+    for b in range(2):
+        for t in range(7):  # a tree row equals the query alone over its visible keys gathered in slot order
+            keys = visible[b, t].nonzero()[:, 0]
+            alone = kernel(q[b : b + 1, :, t : t + 1], k[b : b + 1, :, keys], v[b : b + 1, :, keys], None, 0.125)
+            assert torch.equal(alone[0, 0], tree[b, t])
+
+
+def test_strided_inputs_are_read_in_place(kernel):
+    q, k, v = _qkv()
+    big_k = torch.randn(2, 2, 64, 64)
+    big_k[:, :, :40] = k  # a cache buffer with spare slots, sliced: the kernel honours its strides
+    assert torch.equal(kernel(q, big_k[:, :, :40], v, None, 0.2), kernel(q, k, v, None, 0.2))
+
+
+def test_visible_rows_takes_only_pure_visibility_masks():
+    t, s = 3, 8
+    boolean = torch.rand(1, 1, t, s) > 0.5
+    assert torch.equal(visible_rows(boolean, t, s), boolean[:, 0])
+    additive = torch.zeros(2, 1, t, s).masked_fill(~boolean, torch.finfo(torch.float32).min)
+    assert torch.equal(visible_rows(additive, t, s), boolean[:, 0].expand(2, t, s))
+    assert visible_rows(None, t, s) is None
+    assert visible_rows(additive + 0.5, t, s) is False  # a bias, not a mask: SDPA applies it
+    assert visible_rows(torch.ones(1, 2, t, s, dtype=torch.bool), t, s) is False  # per-head masks
+    assert visible_rows(torch.ones(1, 1, t, s - 1, dtype=torch.bool), t, s) is False
+
+
+def test_bad_shapes_are_refused(kernel):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="group"):
+        kernel(q[:, :5], k, v, None, 1.0)
+    with pytest.raises(ValueError, match="visible must be"):
+        kernel(q, k, v, torch.ones(2, 5, 39, dtype=torch.bool), 1.0)
+    with pytest.raises(ValueError, match="at least as many keys"):
+        kernel(q, k[:, :, :3], v[:, :, :3], None, 1.0)
+
+
+LINEARS = ("packed", "int8", "int4", "int8/fp32")
+
+
+@functools.cache
+def _target(arch: str, linears: str):
+    weights, _, activations = linears.partition("/")
+    quantized = weights.startswith("int")
+    weights_arg = weights if quantized else None
+    return make_target(arch, packed=not quantized, weights=weights_arg, activations=activations or "int8")
+
+
+def _prefilled(t, prompt):
+    cache = t.new_cache()
+    t.forward(torch.tensor([prompt]), cache, logits_to_keep=1, prompt=True)
+    return cache
+
+
+def _decoded(t, prompt, tokens):
+    """Logits of each of `tokens` decoded one step at a time after `prompt`."""
+    cache = _prefilled(t, prompt)
+    return torch.cat([t.forward(torch.tensor([[x]]), cache).logits[0] for x in tokens])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("linears", LINEARS)
+def test_chain_and_tree_verifies_are_bitwise_plain_decode_steps(kernel, arch, linears):
+    t = _target(arch, linears)
+    prompt, chain = [5, 17, 3, 99, 41, 8, 250, 13, 77], [12, 200, 31, 7, 64, 150]
+    verify = t.forward(torch.tensor([chain]), _prefilled(t, prompt)).logits[0]
+    assert torch.equal(verify, _decoded(t, prompt, chain))
+    # a tree: r -> (a, b), b -> c; every node's row is bitwise the plain steps along its path
+    tokens, parents = [12, 200, 31, 7], [-1, 0, 0, 2]
+    mask = torch.eye(4, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        while p >= 0:
+            mask[i, p], p = True, parents[p]
+    depth = mask.sum(-1) - 1
+    positions = (len(prompt) + depth)[None]
+    tree = t.forward(torch.tensor([tokens]), _prefilled(t, prompt), positions=positions, tree_mask=mask).logits[0]
+    for node, path in ((1, [12, 200]), (2, [12, 31]), (3, [12, 31, 7])):
+        assert torch.equal(tree[node], _decoded(t, prompt, path)[-1]), node
