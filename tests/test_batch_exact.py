@@ -253,7 +253,7 @@ def test_quantized_kv_cache_batched_matches_solo():
 
 def test_chunked_prefill_is_bitwise_one_prefill(setup):
     """A prompt prefilled in tile-aligned chunks leaves the same cache and logits, bit for bit, as one
-    prefill forward (kernels/gqa_sdpa.py's aligned query tiles)."""
+    prefill forward (kernels/gqa_sdpa.py's aligned query tiles; the chunks say they are a prompt's)."""
     target, _ = setup
     ids = torch.randint(3, target.vocab_size, (230,), generator=torch.Generator().manual_seed(3)).tolist()
     whole = target.new_cache()
@@ -262,7 +262,7 @@ def test_chunked_prefill_is_bitwise_one_prefill(setup):
         cache, edges = target.new_cache(), (0, *cuts, len(ids))
         for a, b in itertools.pairwise(edges):
             other = target.new_cache()  # another request in the same forward: its rows must not matter
-            segs = [SegmentInput(cache, ids[a:b]), SegmentInput(other, ids[:7])]
+            segs = [SegmentInput(cache, ids[a:b], prompt=True), SegmentInput(other, ids[:7], prompt=True)]
             out = target.forward_packed(segs, [b - a - 1])
         assert torch.equal(out.logits, ref), cuts
         for layer in range(len(whole.hf.layers)):
