@@ -78,7 +78,7 @@ class QuantGemm:
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         x2 = x.reshape(rows, k).contiguous()
-        y = torch.empty(rows, out_features, dtype=torch.float32)
+        y = torch.empty(rows, out_features, dtype=torch.float32, device=x.device)
         if rows:
             b = None if bias is None else bias.data_ptr()
             threads = torch.get_num_threads()
@@ -99,8 +99,8 @@ class QuantGemm:
             raise ValueError("only the int8-activation kernel quantizes its activations")
         x = x.float().contiguous()
         m, k = x.shape
-        codes = torch.empty(m, k, dtype=torch.int8)
-        d, dsum = torch.empty(m, k // GROUP), torch.empty(m, k // GROUP)
+        codes = torch.empty(m, k, dtype=torch.int8, device=x.device)
+        d, dsum = torch.empty(m, k // GROUP, device=x.device), torch.empty(m, k // GROUP, device=x.device)
         self._lib.byblock_quantize_activations.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [
             ctypes.c_void_p
         ] * 3

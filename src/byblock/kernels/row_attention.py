@@ -50,7 +50,7 @@ class RowAttention:
         mask = None if visible is None else visible.to(torch.uint8).contiguous()
         if mask is not None and (mask.dim() != 3 or mask.shape[1:] != (t, s) or mask.shape[0] not in (1, b)):
             raise ValueError(f"visible must be [1|{b}, {t}, {s}], got {list(mask.shape)}")
-        out = torch.empty(b, t, h, d, dtype=torch.float32)
+        out = torch.empty(b, t, h, d, dtype=torch.float32, device=query.device)  # never the default device
         if out.numel():
             self._fn(
                 query.data_ptr(), b, h, t, d, query.stride(0), query.stride(1), query.stride(2),
@@ -98,7 +98,7 @@ def reference_attention(
     k = key.double().repeat_interleave(group, dim=1)
     v = value.double().repeat_interleave(group, dim=1)
     if visible is None:
-        visible = torch.ones(t, s, dtype=torch.bool).tril(diagonal=s - t)[None]
+        visible = torch.ones(t, s, dtype=torch.bool, device=query.device).tril(diagonal=s - t)[None]
     scores = (query.double() @ k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     out = torch.softmax(scores, dim=-1) @ v
