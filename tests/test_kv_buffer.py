@@ -8,6 +8,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from byblock.kernels.gqa_sdpa import gqa_sdpa_attention_forward
+from byblock.kernels.ragged import PROMPT_KWARG
 from byblock.kv.kv_buffer import BufferedLayer
 
 
@@ -89,7 +90,7 @@ class _Attn(torch.nn.Module):
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("case", ["decode", "decode_masked", "verify_bool", "verify_additive", "prefill"])
 def test_gqa_sdpa_equals_transformers_sdpa_bitwise(groups, case):
-    """Same output bits as transformers' SDPA backend (which repeats K/V when a mask is given)."""
+    """Same output bits as transformers' SDPA backend (which repeats K/V when a mask is given) for prompt rows."""
     g = torch.Generator().manual_seed(groups)
     past, t = (0, 12) if case == "prefill" else (37, 1 if case.startswith("decode") else 9)
     q = torch.randn(2, 3 * groups, t, 16, generator=g)
@@ -106,7 +107,11 @@ def test_gqa_sdpa_equals_transformers_sdpa_bitwise(groups, case):
         "prefill": None,
     }[case]
     module = _Attn(groups)
-    got, _ = gqa_sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    # Prompt rows take the SDPA path, bitwise transformers'; rows with a past otherwise take the row-local kernel
+    # (kernels/row_attention.py), the same values to fp32 tolerance.
+    got, _ = gqa_sdpa_attention_forward(module, q, k, v, mask, scaling=0.25, **{PROMPT_KWARG: True})
     want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
     assert got.shape == want.shape == (2, t, 3 * groups, 16)
     assert torch.equal(got, want)
+    rows, _ = gqa_sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    torch.testing.assert_close(rows, want, atol=2e-6, rtol=1e-5)
