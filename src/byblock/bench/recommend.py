@@ -19,7 +19,7 @@ from byblock.drafters import DrafterKind
 
 LOOKUP = ("ngram@4", "ngram@8")
 BLOCK = ("dflash@8", "dflash@16", "ddtree@31", "hybrid@31", "adaptive@16", "adaptive-hybrid@31")
-TREES = (DrafterKind.DDTREE, DrafterKind.HYBRID, DrafterKind.DOMINO_TREE)
+TREES = (DrafterKind.DDTREE, DrafterKind.HYBRID, DrafterKind.DOMINO_TREE, DrafterKind.EAGLE3_TREE)
 
 
 def candidates(target: str) -> list[str]:

@@ -35,7 +35,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drafter",
         default="none",
-        help="none | ngram | model:ID | dflash|ddtree|domino|dominotree|hybrid[:PATH] (default: the shipped drafter)",
+        help="none | ngram | model:ID | dflash|ddtree|domino|dominotree|hybrid|eagle3|eagle3tree[:PATH]",
     )
     parser.add_argument(
         "--block-size",

@@ -56,6 +56,21 @@ def dllm_config(args: argparse.Namespace, loaded, max_new_tokens: int, temperatu
     return cfg
 
 
+def encode_dllm_prompt(loaded, text: str, chat: bool = True) -> list[int]:
+    """Prompt token ids for a diffusion checkpoint: its prompt suffix appended, then its chat template where it
+    has one and `chat` (else the raw text). One-line error for an empty prompt."""
+    tok = loaded.tokenizer
+    text = text + loaded.meta.get("prompt_suffix", "")
+    if chat and getattr(tok, "chat_template", None):
+        enc = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+    else:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ByblockError("the prompt is empty after tokenization")
+    return ids
+
+
 def run_dllm(args: argparse.Namespace) -> int:
     """Load a diffusion checkpoint, decode the prompt with the chosen sampler, print text (or --json)."""
     from byblock.dllm.generate import diffusion_generate
@@ -68,14 +83,7 @@ def run_dllm(args: argparse.Namespace) -> int:
     max_new = args.max_new_tokens or int(loaded.meta.get("max_new_tokens", 256))
     cfg = dllm_config(args, loaded, max_new, args.temperature, args.seed)
     tok = loaded.tokenizer
-    text = args.prompt + loaded.meta.get("prompt_suffix", "")
-    if not args.no_chat and getattr(tok, "chat_template", None):
-        enc = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)
-    else:
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise ByblockError("the prompt is empty after tokenization")
+    ids = encode_dllm_prompt(loaded, args.prompt, chat=not args.no_chat)
     import torch
 
     with torch.inference_mode():

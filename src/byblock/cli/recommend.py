@@ -7,6 +7,7 @@ import json
 import statistics
 import sys
 
+from byblock.bench.recommend_long import LONG_PROMPT_TOKENS, long_flags
 from byblock.cli.dtype_args import add_dtype_args, load_target, resolve_placement
 from byblock.errors import ByblockError
 from byblock.models.registry import DEFAULT_MODEL
@@ -26,6 +27,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--batch", type=int, default=8, help="throughput: requests decoded together")
     parser.add_argument("--methods", default=None, help="comma list of bench methods instead of the built-in sweep")
+    parser.add_argument(
+        "--long",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="long-prompt sweep (Stem prefill, KV quantization / SnapKV) under the winner; auto: mean prompt >= 4096",
+    )
+    parser.add_argument(
+        "--max-quality-drop",
+        type=float,
+        default=0.02,
+        help="lossy options (diffusion samplers, long-prompt settings) qualify within this drop from the reference",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -34,10 +47,14 @@ def run(args: argparse.Namespace) -> int:
     resolve_placement(args)
     from byblock.dllm.loading import is_dllm_checkpoint
 
-    if is_dllm_checkpoint(args.model):
-        raise ByblockError("recommend sweeps autoregressive decoders; for a diffusion model run `byblock bench`")
     if args.limit < 1 or args.max_new_tokens < 1 or args.batch < 1:
         raise ByblockError("--limit, --max-new-tokens and --batch must be >= 1")
+    if not 0.0 <= args.max_quality_drop <= 1.0:
+        raise ByblockError("--max-quality-drop must be in [0, 1]")
+    if is_dllm_checkpoint(args.model):
+        from byblock.cli.recommend_dllm import run_dllm
+
+        return run_dllm(args)
     from byblock.bench.methods import MethodRunner, MethodSpec
     from byblock.bench.recommend import candidates, commands, rank, table
     from byblock.bench.runner import run_dataset
@@ -69,9 +86,14 @@ def run(args: argparse.Namespace) -> int:
     best = next((r for r in ranked if r.lossless), ranked[0])
     prompt_tokens = statistics.fmean(len(target.encode_prompt(p.text, chat=p.chat)) for p in prompts)
     notes = [f"skipped {n}: {why}" for n, why in skipped.items()]
-    if prompt_tokens >= 4096:
-        notes.append("long prompts: also try --sparse stem (prefill) and --kv-quant int8; not measured by this sweep")
     cmds = commands(best.method, args.model, batch)
+    long = None
+    if args.long == "on" or (args.long == "auto" and prompt_tokens >= LONG_PROMPT_TOKENS):
+        long = _long_sweep(args, best.method, prompts, params)
+        notes += [f"skipped {n}: {why}" for n, why in long["skipped"].items()]
+        extra = " ".join(long_flags(long["best"]))
+        if extra:
+            cmds = {k: v + " " + extra if k != "launch" else v for k, v in cmds.items()}
     if args.json:
         print(
             json.dumps(
@@ -84,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
                     "mean_prompt_tokens": round(prompt_tokens, 1),
                     "ranked": [r.__dict__ for r in ranked],
                     "best": best.method,
+                    "long": None if long is None else {k: v for k, v in long.items() if k != "table"},
                     "commands": cmds,
                     "notes": notes,
                 }
@@ -96,8 +119,39 @@ def run(args: argparse.Namespace) -> int:
     )
     print(table(ranked))
     print(f"\nbest: {best.method} ({best.tok_s:.1f} tok/s, {best.speedup:.2f}x plain)")
+    if long is not None:
+        print(f"\nlong prompts, under {best.method} (quality budget: {args.max_quality_drop:.0%} of dense's tokens):\n")
+        print(long["table"])
+        print(f"\nbest long-prompt setting: {long['best']}")
     for what, cmd in cmds.items():
         print(f"  {what:8s} {cmd}")
     for note in notes:
         print(f"note: {note}")
     return 0
+
+
+def _long_sweep(args: argparse.Namespace, method: str, prompts, params) -> dict:
+    """The long-prompt settings under `method`, each on a freshly loaded model -> ranked rows and the winner."""
+    from byblock.bench.methods import MethodRunner, MethodSpec
+    from byblock.bench.recommend_long import long_candidates, long_table, rank_long, sweep_long
+
+    loaded = [load_target(args)]  # the first load also encodes the prompts
+    ids = [loaded[0].encode_prompt(p.text, chat=p.chat) for p in prompts]
+    settings = long_candidates(statistics.fmean(len(i) for i in ids))
+    spec = MethodSpec.parse(method)
+
+    def load():
+        return loaded.pop() if loaded else load_target(args)
+
+    def progress(name: str, row: dict) -> None:
+        sys.stderr.write(f"[long {name}] TTFT {row['ttft_s']:.3f} s, agreement {row['agreement']:.1%}\n")
+
+    rows, skipped = sweep_long(load, lambda m: MethodRunner(spec, m, None, args.dtype), settings, ids, params, progress)
+    ranked = rank_long(rows, args.max_quality_drop)
+    return {
+        "method": method,
+        "ranked": [r.__dict__ for r in ranked],
+        "best": ranked[0].setting,
+        "skipped": skipped,
+        "table": long_table(ranked),
+    }

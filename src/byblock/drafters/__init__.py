@@ -29,10 +29,14 @@ class DrafterKind(Enum):
     DOMINO = "domino"
     DOMINO_TREE = "dominotree"
     HYBRID = "hybrid"
+    EAGLE3 = "eagle3"  # EAGLE-3 head, chains
+    EAGLE3_TREE = "eagle3tree"  # EAGLE-3 head, EAGLE-2 dynamic trees (tree_budget nodes)
 
 
 # Drafters shipped inside the package, per built-in target (drafters/weights/<dir>).
 SHIPPED_DFLASH = {"smollm2-135m": "smollm2-135m-dflash"}
+SHIPPED_EAGLE3 = {"smollm2-135m": "smollm2-135m-eagle3"}
+EAGLE3_TOP_K = 8  # children expanded per frontier node and frontier width (EAGLE-2's top-k)
 DEFAULT_BLOCK = 8
 
 
@@ -41,7 +45,7 @@ class DrafterSpec:
     """A parsed `--drafter` value plus its knobs."""
 
     kind: DrafterKind
-    model: str | None = None  # MODEL: a model id; DFLASH: a checkpoint dir (None: the shipped one)
+    model: str | None = None  # MODEL: a model id; DFLASH / EAGLE3: a checkpoint dir (None: the shipped one)
     block_size: int | None = None  # tokens per verify forward (anchor + B-1 drafts); None: the drafter's default
     num_candidates: int = 1
     tree_budget: int = 31  # + the root = 32 verify rows: one linear pass (kernels/invariant.py ROW_CHUNK)
@@ -52,7 +56,8 @@ class DrafterSpec:
     @staticmethod
     def parse(text: str, **knobs: int | bool | None) -> DrafterSpec:
         """'none' | 'ngram' | 'model:ID' | '[adaptive-]dflash|ddtree|hybrid[:PATH]' | 'domino|dominotree[:PATH]'
-        -> DrafterSpec ('adaptive-X' is X with adaptive=True: the form a server's --drafter list takes).
+        | 'eagle3|eagle3tree[:PATH]' -> DrafterSpec ('adaptive-X' is X with adaptive=True: the form a server's
+        --drafter list takes).
 
         Anything else is a one-line error."""
         name, _, arg = text.partition(":")
@@ -61,7 +66,8 @@ class DrafterSpec:
         try:
             kind = DrafterKind(name)
         except ValueError:
-            choices = "none, ngram, model:ID, [adaptive-]dflash|ddtree|hybrid[:PATH], domino|dominotree[:PATH]"
+            choices = "none, ngram, model:ID, [adaptive-]dflash|ddtree|hybrid[:PATH], domino|dominotree[:PATH], "
+            choices += "eagle3|eagle3tree[:PATH]"
             raise ByblockError(f"unknown drafter '{text}' (choose from {choices})") from None
         if kind is DrafterKind.MODEL and not arg:
             raise ByblockError("drafter 'model' needs a model: --drafter model:ID")
@@ -105,6 +111,8 @@ def build_drafter(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"
         return AdaptiveDrafter(dflash, target, tree=tree, max_budget=spec.tree_budget, cost=cost, lookup=lookup)
     if spec.kind is DrafterKind.DFLASH:
         return build_dflash(spec, target, dtype)
+    if spec.kind in (DrafterKind.EAGLE3, DrafterKind.EAGLE3_TREE):
+        return build_eagle3(spec, target, dtype)
     if spec.kind is DrafterKind.DDTREE:
         return DDTreeDrafter(build_dflash(spec, target, dtype), budget=spec.tree_budget)
     if spec.kind is DrafterKind.HYBRID:
@@ -174,6 +182,26 @@ def build_dflash(spec: DrafterSpec, target: TargetModel, dtype: str = "float32")
     elif fp32 and invariant_head(head) is not None and (kernel := load_kernel()) is not None:
         pack_linears(model, kernel)  # the drafter follows the target onto row-invariant kernels (packed fp32)
     return DFlashDrafter(model, target, block=spec.block_size, draft_vocab=vocab)
+
+
+def build_eagle3(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"):
+    """An EAGLE-3 drafter from a checkpoint dir (or the one shipped for the target): a chain of block_size − 1
+    tokens, or (eagle3tree) a dynamic tree of tree_budget nodes as deep as that."""
+    from byblock.drafters.eagle3 import Eagle3Drafter
+    from byblock.drafters.eagle3_format import load_eagle3
+    from byblock.models.loading import DTYPES
+
+    if spec.model:
+        path = Path(spec.model).expanduser()
+    else:
+        sub = SHIPPED_EAGLE3.get(target.name)
+        path = Path(__file__).parent / "weights" / sub if sub else None
+        if path is None or not (path / "config.json").is_file():
+            raise ByblockError(f"no EAGLE-3 head ships for model '{target.name}': pass one with --drafter eagle3:PATH")
+    model = load_eagle3(path, dtype=DTYPES.get(dtype, torch.float32)).to(target.device)
+    depth = (spec.block_size or DEFAULT_BLOCK) - 1
+    budget = spec.tree_budget if spec.kind is DrafterKind.EAGLE3_TREE else 0
+    return Eagle3Drafter(model, target, depth=depth, budget=budget, top_k=EAGLE3_TOP_K)
 
 
 __all__ = [

@@ -12,10 +12,12 @@ byblock adds an optional `draft_vocab.safetensors` (the target token ids the dra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -116,26 +118,15 @@ def _window(dcfg: dict, raw: dict) -> int | None:
     return None
 
 
-def save_dflash(
-    model: DFlashDraftModel,
-    out_dir: str | Path,
-    dtype: torch.dtype = torch.bfloat16,
-    draft_vocab: torch.Tensor | None = None,
-) -> Path:
-    """Write a checkpoint directory atomically (temporary directory renamed into place)."""
-    from safetensors.torch import save_file
-
+@contextlib.contextmanager
+def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
+    """A temporary directory beside `out_dir` to write a checkpoint into; renamed into place (replacing any
+    old one) when the block ends, removed if it raises: a reader never sees half a checkpoint."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
     try:
-        state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(to_hf_config(model.config, dtype), indent=2) + "\n")
-        if draft_vocab is not None:
-            ids = draft_vocab.to(torch.long)
-            d2t = ids - torch.arange(len(ids))
-            save_file({"draft_to_target": ids, "d2t": d2t}, str(tmp / VOCAB))
+        yield tmp
         tmp.chmod(0o755)  # mkdtemp makes 0700; a checkpoint is meant to be shared
         for f in tmp.iterdir():
             f.chmod(0o644)
@@ -145,7 +136,26 @@ def save_dflash(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
+
+
+def save_dflash(
+    model: DFlashDraftModel,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    draft_vocab: torch.Tensor | None = None,
+) -> Path:
+    """Write a checkpoint directory atomically (temporary directory renamed into place)."""
+    from safetensors.torch import save_file
+
+    with atomic_dir(out_dir) as tmp:
+        state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(to_hf_config(model.config, dtype), indent=2) + "\n")
+        if draft_vocab is not None:
+            ids = draft_vocab.to(torch.long)
+            d2t = ids - torch.arange(len(ids))
+            save_file({"draft_to_target": ids, "d2t": d2t}, str(tmp / VOCAB))
+    return Path(out_dir)
 
 
 def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[DFlashDraftModel, torch.Tensor | None]:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from byblock.kernels.ragged import BATCH_KWARG, PROMPT_KWARG
-from byblock.kernels.row_attention import load_row_attention, visible_rows
+from byblock.kernels.row_attention import key_sets, load_row_attention
 
 NAME = "byblock_sdpa"
 PREFILL_TILE = 64  # query rows per kernel call for causal rows; prefill chunks are multiples of it
@@ -54,7 +54,7 @@ def gqa_sdpa_attention_forward(
     prompt = kwargs.pop(PROMPT_KWARG, False)
     t = query.shape[2]
     if not prompt and key.shape[2] > t and not dropout and query.dtype == torch.float32 and query.is_cpu:
-        rows = visible_rows(attention_mask, t, key.shape[2])
+        rows = key_sets(attention_mask, t, key.shape[2])
         if rows is not False and (kernel := load_row_attention()) is not None:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return kernel(query, key, value, rows, scale), None

@@ -6,13 +6,14 @@ same bits. Torch's SDPA does not give that (it blocks rows and keys by the call'
 zeros); with int8 activations the ~1e-7 differences it leaves are amplified by the activations' rounding into
 different tokens (dev/LOG.md, session 28). `row_attention` is the kernel, `reference_attention` the float64
 definition the tests hold it to, and `visible_rows` turns a caller's mask into the kernel's key sets (or says it
-cannot: then the caller keeps SDPA).
+cannot: then the caller keeps SDPA); `key_sets` does that once per mask, not once per layer.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 
 import torch
 
@@ -39,7 +40,7 @@ class RowAttention:
         scale: float,
     ) -> torch.Tensor:
         """query [B, H, T, D], key / value [B, Hkv, S, D] fp32 on the CPU (last dim contiguous), visible None
-        (causal: row t sees keys 0 .. S - T + t) or bool [B|1, T, S] -> [B, T, H, D] contiguous."""
+        (causal: row t sees keys 0 .. S - T + t) or bool / uint8 [B|1, T, S] -> [B, T, H, D] contiguous."""
         b, h, t, d = query.shape
         hkv, s = key.shape[1], key.shape[2]
         if h % hkv:
@@ -86,6 +87,33 @@ def visible_rows(mask: torch.Tensor | None, t: int, s: int) -> torch.Tensor | bo
     if not bool((seen | (rows <= torch.finfo(rows.dtype).min / 2)).all()):
         return False
     return seen
+
+
+class _KeySetMemo:
+    """`visible_rows` of each live mask, computed once: a forward passes one mask object to all its layers (per
+    layer type, per packed segment), and converting it — a scan of the whole [T, S] mask — cost every layer
+    again. Entries die with their mask (a weak reference), so nothing outlives the forward that built it."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, int, int, torch.Tensor | bool | None]] = {}
+
+    def __call__(self, mask: torch.Tensor | None, t: int, s: int) -> torch.Tensor | bool | None:
+        if mask is None:
+            return None
+        key = id(mask)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is mask and entry[1:3] == (t, s):
+            return entry[3]
+        rows = visible_rows(mask, t, s)
+        if isinstance(rows, torch.Tensor):
+            rows = rows.to(torch.uint8).contiguous()  # the kernel's own form: no conversion per call either
+        self._entries[key] = (weakref.ref(mask, lambda _, k=key: self._entries.pop(k, None)), t, s, rows)
+        return rows
+
+
+# key_sets(mask, t, s) -> visible_rows(mask, t, s), as uint8, computed once per mask object. Masks are built
+# per forward and never written after (models/adapter.py, transformers' masking_utils).
+key_sets = _KeySetMemo()
 
 
 def reference_attention(
