@@ -126,3 +126,34 @@ def test_bad_checkpoints_and_mismatched_targets_are_one_line_errors(tmp_path, ti
         build_drafter(DrafterSpec.parse("eagle3"), tiny_targets["llama"])
     with pytest.raises(ByblockError, match="needs the target's hidden states"):
         Eagle3Drafter(model, tiny_targets["llama"]).start([1, 2], None, SamplingParams(), None)
+
+
+def test_one_batch_serves_drafters_with_different_feature_layers(tiny_targets):
+    """An EAGLE-3 request beside a DFlash one (other feature layers): each gets its own layers' columns of the
+    packed forward's hidden states, and its solo tokens."""
+    from tiny import make_dflash
+
+    from byblock.drafters.dflash import DFlashDrafter
+    from byblock.engine.batched import BatchedEngineCore
+    from byblock.engine.core import EngineRequest
+    from byblock.engine.sequence import own_layers
+
+    hidden = torch.arange(12.0).view(1, 1, 12)  # layers (0, 1, 2) of width 4 side by side
+    assert torch.equal(own_layers(hidden, (0, 1, 2), (2, 0)), torch.cat([hidden[..., 8:], hidden[..., :4]], -1))
+    target = tiny_targets["llama"]
+    eagle = Eagle3Drafter(make_eagle3(target, layer_ids=(1,)), target, depth=3, budget=5, top_k=2)
+    dflash = DFlashDrafter(make_dflash(target, block=4), target)
+    assert eagle.hidden_layers == (1,) and dflash.hidden_layers == (0, 1)
+    core = BatchedEngineCore(target, {"eagle3": eagle, "dflash": dflash})
+    params = SamplingParams(max_new_tokens=20)
+    prompts = {"a": ([5, 17, 33, 9], "eagle3"), "b": ([7, 7, 7, 12, 40], "dflash"), "c": ([1, 2, 3], "eagle3")}
+    for rid, (ids, name) in prompts.items():
+        core.add_request(EngineRequest(rid, tuple(ids), params, name))
+    results = {}
+    while core.has_unfinished():
+        for out in core.step():
+            assert out.error is None, out.error
+            if out.result is not None:
+                results[out.request_id] = out.result
+    for rid, (ids, _) in prompts.items():
+        assert results[rid].token_ids == generate(target, ids, params).token_ids

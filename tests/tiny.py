@@ -223,7 +223,7 @@ def make_diffusion_gemma(canvas: int = 8, seed: int = 0):
     return DiffusionGemmaForBlockDiffusion(cfg).eval()
 
 
-def make_eagle3(target, draft_vocab: torch.Tensor | None = None, seed: int = 0):
+def make_eagle3(target, draft_vocab: torch.Tensor | None = None, seed: int = 0, layer_ids: tuple[int, ...] = ()):
     """A random EAGLE-3 head for a tiny target (norm weights perturbed so every norm path matters)."""
     from byblock.drafters.eagle3_model import Eagle3Config, Eagle3DraftModel
 
@@ -237,7 +237,7 @@ def make_eagle3(target, draft_vocab: torch.Tensor | None = None, seed: int = 0):
         head_dim=16,
         vocab_size=target.vocab_size,
         draft_vocab_size=len(vocab),
-        target_layer_ids=tuple(sorted({0, n // 2, n - 1})),
+        target_layer_ids=layer_ids or tuple(sorted({0, n // 2, n - 1})),
         num_target_layers=n,
         rope_theta=10_000.0,
     )

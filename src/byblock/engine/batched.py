@@ -156,8 +156,9 @@ class BatchedEngineCore:
         keep_final = self.lazy_head and any(r.draft is not None and r.rows < r.draft.num_nodes + 1 for _, r in rounds)
         t0 = self.clock()
         try:
+            union = tuple(sorted(layers))
             out = self.model.forward_packed(
-                [r.segment for _, r in rounds], logits_rows, hidden_layers=tuple(sorted(layers)), keep_final=keep_final
+                [r.segment for _, r in rounds], logits_rows, hidden_layers=union, keep_final=keep_final
             )
         except Exception as e:  # a bug in the forward fails this step's requests, never the engine thread
             return outputs + [self._fail(seq, e) for seq, _ in rounds]
@@ -168,7 +169,7 @@ class BatchedEngineCore:
             first_logits = out.logits[at : at + rnd.rows]
             at += rnd.rows
             try:
-                events = seq.finish(rnd, out, start, first_logits, forward_s)
+                events = seq.finish(rnd, out, start, first_logits, forward_s, union)
             except Exception as e:
                 outputs.append(self._fail(seq, e))
                 continue

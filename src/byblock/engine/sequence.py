@@ -29,6 +29,13 @@ from byblock.verify import Draft, TargetRows
 from byblock.verify.rows import FIRST_ROWS
 
 
+def own_layers(hidden: torch.Tensor, layers: tuple[int, ...], mine: tuple[int, ...]) -> torch.Tensor:
+    """The columns of a drafter's own layers, in its order, from hidden states [..., len(layers) * H] that hold
+    `layers` side by side (a packed forward serves drafters with different feature layers at once)."""
+    h = hidden.shape[-1] // len(layers)
+    return torch.cat([hidden[..., layers.index(i) * h : (layers.index(i) + 1) * h] for i in mine], dim=-1)
+
+
 class Phase(Enum):
     """Where a request is."""
 
@@ -170,13 +177,24 @@ class Sequence:
         rows = min(FIRST_ROWS, draft.num_nodes + 1) if lazy_head else draft.num_nodes + 1
         return Round(segment, rows=rows, past=past, draft=draft, prefill=False, draft_s=draft_s)
 
-    def finish(self, rnd: Round, out: PackedOutput, start: int, first_logits: torch.Tensor, verify_s: float):
+    def finish(
+        self,
+        rnd: Round,
+        out: PackedOutput,
+        start: int,
+        first_logits: torch.Tensor,
+        verify_s: float,
+        layers: tuple[int, ...] | None = None,
+    ):
         """Apply the forward's result; returns the TokenEvents this round produced.
 
-        start: the segment's first packed row; first_logits: [rnd.rows, V] its rows' logits."""
+        start: the segment's first packed row; first_logits: [rnd.rows, V] its rows' logits; layers: the target
+        layers out.hidden holds, in order (None: this request's drafter's own)."""
         assert self.cache is not None
         end = start + len(rnd.segment.input_ids)
         hidden = out.hidden[start:end][None] if out.hidden is not None else None  # [1, T, k*H]
+        if hidden is not None and layers is not None and tuple(self.drafter.hidden_layers) != layers:
+            hidden = own_layers(hidden, layers, tuple(self.drafter.hidden_layers))
         if rnd.prefill:
             self.prefilled += len(rnd.segment.input_ids)
             if hidden is not None and (self._prefill_hidden or not rnd.prefill_done):
