@@ -43,3 +43,23 @@ def real_model_or_skip(name: str = "smollm2-135m", dtype: str = "float32", activ
     from byblock.models.loading import load_model
 
     return load_model(name, dtype=dtype, activations=activations)
+
+
+REGEN_PROMPTS = ["def add(a, b):", "hello world", "the cat sat on", "print(x)", "a b c", "return a", "x = 1", "1 2 3 4"]
+
+
+@pytest.fixture(scope="session")
+def regen_dir(tmp_path_factory, tiny_llama_dir):
+    """ROOT with ROOT/regen: the tiny llama's regenerated answers to REGEN_PROMPTS (features of layers 0, 1)."""
+    import json
+
+    from byblock.training.regenerate import RegenConfig, regenerate
+
+    root = tmp_path_factory.mktemp("regen")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in REGEN_PROMPTS))
+    cfg = RegenConfig(
+        target=str(tiny_llama_dir), prompts=str(prompts), layer_ids=(0, 1), max_new_tokens=24, batch_size=3, rows=2
+    )
+    regenerate(cfg, root / "regen", progress=False)
+    return root

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from conftest import REGEN_PROMPTS
 from lossless import greedy_outputs_match
 
 from byblock import SamplingParams, generate
@@ -27,20 +28,6 @@ from byblock.training.dflash_data import (
 from byblock.training.dflash_train import DFlashTrainer, TrainConfig
 from byblock.training.regenerate import RegenConfig, build_target_layer_ids, regenerate
 
-PROMPTS = ["def add(a, b):", "hello world", "the cat sat on", "print(x)", "a b c", "return a", "x = 1", "1 2 3 4"]
-
-
-@pytest.fixture(scope="module")
-def regen_dir(tmp_path_factory, tiny_llama_dir):
-    root = tmp_path_factory.mktemp("regen")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    cfg = RegenConfig(
-        target=str(tiny_llama_dir), prompts=str(prompts), layer_ids=(0, 1), max_new_tokens=24, batch_size=3, rows=2
-    )
-    regenerate(cfg, root / "regen", progress=False)
-    return root
-
 
 def test_layer_ids_follow_the_reference_rule():
     assert build_target_layer_ids(30, 5) == (1, 8, 14, 20, 27)
@@ -52,7 +39,7 @@ def test_batched_regeneration_equals_plain_greedy(regen_dir, tiny_llama_dir):
     """Left-padded batched decoding gives each prompt exactly its unbatched greedy answer and features."""
     target = load_model(str(tiny_llama_dir), relayout=False)
     seqs = load_shards(sorted((regen_dir / "regen").glob("shard_*.safetensors")))
-    assert len(seqs) == len(PROMPTS)
+    assert len(seqs) == len(REGEN_PROMPTS)
     for s in seqs:
         prompt = s.tokens[: s.prompt_len].tolist()
         plain = generate(target, prompt, SamplingParams(max_new_tokens=24, ignore_eos=False))
@@ -91,7 +78,7 @@ def test_bf16_regeneration_and_old_manifests(tmp_path, regen_dir, tiny_llama_dir
     regenerate(RegenConfig(**{**cfg.__dict__, "dtype": "bfloat16"}), bf, progress=False)
     assert json.loads((bf / "manifest.json").read_text())["dtype"] == "bfloat16"
     seqs = load_shards(sorted(bf.glob("shard_*.safetensors")))
-    assert len(seqs) == len(PROMPTS)
+    assert len(seqs) == len(REGEN_PROMPTS)
     for s in seqs:  # greedy: each response token is the top-1 of the distribution stored beside it
         assert s.topk_ids[:, 0].tolist() == s.tokens[s.prompt_len :].tolist()
     with pytest.raises(ByblockError, match="dtype"):

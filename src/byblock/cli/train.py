@@ -44,6 +44,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     for name, text in (("dflash", "the DFlash drafter"), ("domino", "a Domino correction head on a DFlash drafter")):
         add_dflash_args(subs.add_parser(name, help=text, description=text))
     train_dllm.add_args(subs.add_parser("dllm", help=train_dllm.HELP, description=train_dllm.HELP))
+    from byblock.cli import train_eagle3
+
+    train_eagle3.add_args(subs.add_parser("eagle3", help=train_eagle3.HELP, description=train_eagle3.HELP))
 
 
 def add_dflash_args(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +62,26 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto | cpu | cuda | cuda:N for regenerate and train (torchrun: one GPU per rank)",
     )
+    add_regen_args(parser)
+    t = parser.add_argument_group("train")
+    defaults = TrainConfig()
+    for f in fields(TrainConfig):
+        if f.name in ("seed", "domino"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        value = getattr(defaults, f.name)
+        if f.name == "bf16":  # autocast pays where bf16 is native (GPUs; CPUs with AVX512-BF16 / AMX); on other
+            value = None  # CPUs emulated bf16 is ~3x slower than fp32. None: resolved for the device at run time
+        if isinstance(value, bool) or f.name == "bf16":
+            t.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=value, metavar="BOOL")
+        else:
+            t.add_argument(flag, type=float if f.name in ("gamma",) else type(value), default=value)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_regen_args(parser: argparse.ArgumentParser) -> None:
+    """The regenerate stage's flags (shared by every drafter trained on regenerated data)."""
     g = parser.add_argument_group("regenerate")
     g.add_argument("--features", type=int, default=5, help="target layers whose hidden states are fused")
     g.add_argument("--max-new-tokens", type=int, default=256)
@@ -86,21 +109,6 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> None:
         help="target weights while regenerating (bfloat16: ~1.8x faster where the CPU has native bf16, ~3x slower "
         "where it does not)",
     )
-    t = parser.add_argument_group("train")
-    defaults = TrainConfig()
-    for f in fields(TrainConfig):
-        if f.name in ("seed", "domino"):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        value = getattr(defaults, f.name)
-        if f.name == "bf16":  # autocast pays where bf16 is native (GPUs; CPUs with AVX512-BF16 / AMX); on other
-            value = None  # CPUs emulated bf16 is ~3x slower than fp32. None: resolved for the device at run time
-        if isinstance(value, bool) or f.name == "bf16":
-            t.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=value, metavar="BOOL")
-        else:
-            t.add_argument(flag, type=float if f.name in ("gamma",) else type(value), default=value)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def default_bf16(device) -> bool:
@@ -117,16 +125,45 @@ def _logging(path: Path) -> None:
     root.addHandler(handler)
 
 
+def regenerate_stage(args: argparse.Namespace, out: Path) -> dict:
+    """The regenerate stage into OUT/<--regen-dir> (resumes where a killed run stopped)."""
+    from byblock.errors import ByblockError
+    from byblock.models.loading import load_model_config
+    from byblock.training.regenerate import RegenConfig, build_target_layer_ids, regenerate
+
+    if not args.prompts:
+        raise ByblockError("--prompts is required to regenerate")
+    num_layers = load_model_config(args.target).get_text_config().num_hidden_layers
+    cfg = RegenConfig(
+        target=args.target,
+        prompts=args.prompts,
+        layer_ids=build_target_layer_ids(num_layers, args.features),
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        batch_size=args.batch_size,
+        rows=args.regen_rows,
+        topk=args.topk,
+        temperature=args.temperature,
+        seed=args.seed,
+        limit=args.limit,
+        dtype=args.regen_dtype,
+    )
+    return regenerate(cfg, out / args.regen_dir, progress=not args.quiet, device=args.device)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the requested stages in order."""
     if args.method == "dllm":
         from byblock.cli import train_dllm
 
         return train_dllm.run(args)
+    if args.method == "eagle3":
+        from byblock.cli import train_eagle3
+
+        return train_eagle3.run(args)
     from byblock.errors import ByblockError
     from byblock.models.devices import resolve_device
     from byblock.training.dflash_train import TrainConfig
-    from byblock.training.regenerate import RegenConfig, build_target_layer_ids
 
     args.device = resolve_device(args.device)  # a one-line error for a device this machine lacks
     stage = Stage(args.stage)
@@ -134,27 +171,7 @@ def run(args: argparse.Namespace) -> int:
     _logging(out / "pipeline.log")
     summary: dict = {}
     if stage in (Stage.REGENERATE, Stage.ALL) and args.method == "dflash":
-        if not args.prompts:
-            raise ByblockError("--prompts is required to regenerate")
-        from byblock.models.loading import load_model_config
-        from byblock.training.regenerate import regenerate
-
-        num_layers = load_model_config(args.target).get_text_config().num_hidden_layers
-        cfg = RegenConfig(
-            target=args.target,
-            prompts=args.prompts,
-            layer_ids=build_target_layer_ids(num_layers, args.features),
-            max_new_tokens=args.max_new_tokens,
-            max_prompt_tokens=args.max_prompt_tokens,
-            batch_size=args.batch_size,
-            rows=args.regen_rows,
-            topk=args.topk,
-            temperature=args.temperature,
-            seed=args.seed,
-            limit=args.limit,
-            dtype=args.regen_dtype,
-        )
-        summary["regenerate"] = regenerate(cfg, out / args.regen_dir, progress=not args.quiet, device=args.device)
+        summary["regenerate"] = regenerate_stage(args, out)
     if stage is Stage.CODE_PROMPTS:
         if not args.prompts:
             raise ByblockError("--prompts (the file OUT/<regen-dir> was regenerated from) is required for code-prompts")
