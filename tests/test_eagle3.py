@@ -157,3 +157,35 @@ def test_one_batch_serves_drafters_with_different_feature_layers(tiny_targets):
                 results[out.request_id] = out.result
     for rid, (ids, _) in prompts.items():
         assert results[rid].token_ids == generate(target, ids, params).token_ids
+
+
+def test_export_for_vllm_and_launch_name_the_eagle3_method(tmp_path, tiny_targets, tiny_llama_dir):
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    head = save_eagle3(make_eagle3(tiny_targets["llama"], torch.arange(0, 320, 2)), tmp_path / "head")
+    cli = [sys.executable, "-m", "byblock.cli.main"]
+    out = tmp_path / "vllm"
+    export = [*cli, "export", "--drafter", f"eagle3:{head}", "--target", str(tiny_llama_dir)]
+    r = subprocess.run([*export, "--format", "vllm", "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    line = json.loads(r.stdout.strip().splitlines()[-1])
+    spec = line["speculative_config"]
+    assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 7
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert torch.equal(load_eagle3(out).draft_vocab(), torch.arange(0, 320, 2))
+    env = {**os.environ, "BYBLOCK_VLLM_PYTHON": str(tmp_path / "none")}  # printing needs no engine
+    r = subprocess.run(
+        [*cli, "launch", "vllm", "--target", str(tiny_llama_dir), "--exported", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    argv = shlex.split(r.stdout.strip())
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 7
+    bad = subprocess.run([*export, "--format", "llamacpp", "--out", str(tmp_path / "x.gguf")], capture_output=True)
+    assert bad.returncode != 0 and len(bad.stderr.strip().splitlines()) == 1 and b"Traceback" not in bad.stderr

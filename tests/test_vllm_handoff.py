@@ -114,3 +114,47 @@ def test_launch_vllm_serves_the_drafter(tmp_path, vllm_python):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def _random_smollm2_head(path: Path, model) -> Path:
+    """A random EAGLE-3 head shaped for the default model (a reduced draft vocabulary, so d2t is exercised)."""
+    import torch
+
+    from byblock.drafters.eagle3_format import save_eagle3
+    from byblock.drafters.eagle3_model import Eagle3Config, Eagle3DraftModel, default_layer_ids
+
+    tc = model.text_config
+    cfg = Eagle3Config(
+        hidden_size=model.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_heads=tc.num_attention_heads,
+        num_kv_heads=tc.num_key_value_heads,
+        head_dim=model.hidden_size // tc.num_attention_heads,
+        vocab_size=model.vocab_size,
+        draft_vocab_size=model.vocab_size // 12,
+        target_layer_ids=default_layer_ids(model.num_layers),
+        num_target_layers=model.num_layers,
+        rms_norm_eps=tc.rms_norm_eps,
+        rope_theta=float((getattr(tc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+    )
+    torch.manual_seed(0)
+    head = Eagle3DraftModel(cfg)
+    head.set_draft_vocab(torch.arange(0, model.vocab_size, 12))
+    return save_eagle3(head, path, torch.float32)
+
+
+def test_vllm_runs_byblocks_eagle3_head_like_byblock(tmp_path, vllm_python):
+    """The same head in byblock and in vLLM (method eagle3): both token-identical to plain decoding, and the
+    same τ — the check that byblock's head computes what vLLM's Eagle3LlamaForCausalLM computes."""
+    model = real_model_or_skip(activations="fp32")
+    head = _random_smollm2_head(tmp_path / "eagle3", model)
+    methods = f"ar,eagle3:{head},vllm,vllm-eagle3:{head}"
+    cmd = [*CLI, "bench", "--methods", methods, "--dataset", str(PROMPTS), "--limit", "2", "--activations", "fp32"]
+    cmd += ["--max-new-tokens", "48", "--batch", "1", "--no-plots", "--quiet", "--out", str(tmp_path / "out")]
+    env = {**os.environ, "BYBLOCK_VLLM_PYTHON": str(vllm_python)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "report.json").read_text())["datasets"][PROMPTS.stem]["methods"]
+    mine, theirs = rows[f"eagle3:{head}"], rows[f"vllm-eagle3:{head}"]
+    assert mine["mismatched_turns"] == 0 and theirs["mismatched_vs_engine"] == 0
+    assert theirs["tau"] is not None and abs(theirs["tau"] - mine["tau"]) <= 0.15, (theirs, mine)

@@ -72,9 +72,10 @@ class MethodSpec:
         if body == "llamacpp-lookup":  # K = tokens drafted per round, as byblock's ngram@K
             return MethodSpec(text, Engine.LLAMACPP, None, size, lookup=True)
         engine_name = body.partition(":")[0]
-        if engine_name in ("vllm-dflash", "llamacpp-dflash"):  # K = the block size: K - 1 drafted per step
+        if engine_name in ("vllm-dflash", "llamacpp-dflash", "vllm-eagle3"):  # K = the block size: K - 1 drafted
             knobs = {"block_size": size} if size else {}
-            drafter = DrafterSpec.parse("dflash" + body[len(engine_name) :], **knobs)
+            kind = engine_name.partition("-")[2]
+            drafter = DrafterSpec.parse(kind + body[len(engine_name) :], **knobs)
             return MethodSpec(text, Engine(engine_name.partition("-")[0]), drafter, size)
         adaptive = body.startswith("adaptive")
         drafter_text = body
@@ -89,8 +90,8 @@ class MethodSpec:
             kind = DrafterKind(drafter_text.partition(":")[0])
         except ValueError:
             known = "ar, hf, hf-lookup, ngram, model:ID, dflash, ddtree, domino, dominotree, hybrid, eagle3, "
-            known += "eagle3tree, "
-            known += "adaptive[-tree|-hybrid], vllm, vllm-dflash, llamacpp, llamacpp-dflash, llamacpp-lookup"
+            known += "eagle3tree, adaptive[-tree|-hybrid], vllm, vllm-dflash, vllm-eagle3, llamacpp, "
+            known += "llamacpp-dflash, llamacpp-lookup"
             raise ByblockError(f"unknown method '{text}' (choose from {known})") from None
         if size is not None:
             knobs["tree_budget" if kind in TREE_KINDS or adaptive else "block_size"] = size

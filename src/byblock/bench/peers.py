@@ -1,5 +1,6 @@
-"""Other engines as bench methods: `vllm` (plain) and `vllm-dflash[:PATH][@K]` (byblock's DFlash drafter
-exported with `byblock export --format vllm`, inside vLLM), `llamacpp` and `llamacpp-dflash[:PATH][@K]`
+"""Other engines as bench methods: `vllm` (plain), `vllm-dflash[:PATH][@K]` and `vllm-eagle3[:PATH][@K]`
+(byblock's DFlash drafter / EAGLE-3 head exported with `byblock export --format vllm`, inside vLLM), `llamacpp` and
+`llamacpp-dflash[:PATH][@K]`
 (llama-server on the target's GGUF, with the drafter exported as GGUF) and `llamacpp-lookup[@K]` (llama-server's
 own prompt lookup), fed byblock's own prompt token ids.
 
@@ -80,6 +81,17 @@ class _PeerRunner:
         self.k = (spec.size or int(json.loads((src / "config.json").read_text()).get("block_size", 16))) - 1
         return str(out)
 
+    def _export_eagle3(self, spec: MethodSpec, model: str) -> str:
+        """Export the EAGLE-3 head for vLLM; sets K = its chain depth (block size - 1, or @K - 1)."""
+        from byblock.handoff.export import EngineFormat, export_drafter
+
+        assert spec.drafter is not None
+        self._tmp = tempfile.TemporaryDirectory(prefix="byblock-peer-export-")
+        text = "eagle3" + (f":{spec.drafter.model}" if spec.drafter.model else "")
+        done = export_drafter(text, model, EngineFormat.VLLM, Path(self._tmp.name) / "eagle3")
+        self.k = (spec.size or done.block_size) - 1
+        return str(done.out)
+
     def _stats(self, out) -> SpecStats | None:
         raise NotImplementedError
 
@@ -119,13 +131,16 @@ class VllmRunner(_PeerRunner):
             raise ByblockError(f"vLLM peers take --dtype fp32|bf16|auto, not '{setup.dtype}'")
         self.spec = spec
         python = find_vllm_python(setup.vllm_python)
-        draft = None
-        if spec.drafter is not None:
+        draft, method = None, "dflash"
+        if spec.drafter is not None and spec.drafter.kind.value.startswith("eagle3"):
+            draft, method = self._export_eagle3(spec, setup.model), "eagle3"
+        elif spec.drafter is not None:
             head = target.hf.get_output_embeddings().weight.detach()
             draft = self._export(spec, setup.model, lambda src, tmp: export_vllm(src, tmp / "dflash", head))
         cfg = PeerConfig(
             target=resolve_checkpoint(setup.model),
             draft=draft,
+            method=method,
             k=max(self.k, 1),
             dtype=DTYPES[setup.dtype],
             seed=setup.seed,

@@ -18,7 +18,9 @@ FORMATS = ("vllm", "llamacpp")  # SGLang: see docs/handoff.md
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `byblock export`."""
-    parser.add_argument("--drafter", default="dflash", help="dflash[:PATH] (default: the drafter shipped for --target)")
+    parser.add_argument(
+        "--drafter", default="dflash", help="dflash|eagle3[:PATH] (default: the drafter shipped for --target)"
+    )
     parser.add_argument("--target", default=DEFAULT_MODEL, help="the target model the drafter serves")
     parser.add_argument("--format", required=True, choices=FORMATS, help="the engine whose layout to write")
     parser.add_argument("--out", required=True, help="output directory (llamacpp: a .gguf file or a directory)")
@@ -30,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     from byblock.handoff.export import EngineFormat, export_drafter
 
     done = export_drafter(args.drafter, args.target, EngineFormat(args.format), Path(args.out), args.target_gguf)
-    speculative = {"method": "dflash", "model": str(done.out.resolve()), "num_speculative_tokens": done.block_size - 1}
+    k = done.block_size - 1
+    speculative = {"method": done.method, "model": str(done.out.resolve()), "num_speculative_tokens": k}
     sys.stderr.write(f"byblock export: wrote {done.out} ({args.format}); serve it with\n")
     sys.stderr.write(f"  byblock launch {args.format} --target {args.target} --exported {done.out} --run\n")
     line = {"out": str(done.out), "format": args.format, "target": done.target, "speculative_config": speculative}

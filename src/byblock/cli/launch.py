@@ -26,7 +26,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `byblock launch`."""
     parser.add_argument("engine", choices=ENGINES, help="the engine to start")
     parser.add_argument("--target", default=DEFAULT_MODEL, help="the target model (a built-in name or a path)")
-    parser.add_argument("--drafter", default="dflash", help="dflash[:PATH], exported before the start")
+    parser.add_argument("--drafter", default="dflash", help="dflash|eagle3[:PATH], exported before the start")
     parser.add_argument("--exported", default=None, help="an already exported drafter (byblock export)")
     parser.add_argument("--target-gguf", default=None, help="llamacpp: the target's GGUF (default: a built-in's own)")
     parser.add_argument("--llama-server", default=None, help="llamacpp: the binary (default $BYBLOCK_LLAMA_SERVER)")
@@ -88,14 +88,22 @@ def run(args: argparse.Namespace) -> int:
     from byblock.models.loading import cache_root, resolve_checkpoint
 
     llamacpp = args.engine == "llamacpp"
+    method = "dflash"
     if args.exported:
+        from byblock.drafters.eagle3_format import is_eagle3_checkpoint
+
         draft = Path(args.exported).expanduser()
-        block = _exported_block_size(draft, llamacpp)
+        if is_eagle3_checkpoint(draft):
+            method = "eagle3"
+            extra = json.loads((draft / "config.json").read_text()).get("byblock") or {}
+            block = int(extra.get("num_speculative_tokens", 7)) + 1
+        else:
+            block = _exported_block_size(draft, llamacpp)
         target = str(target_gguf_of(args.target, args.target_gguf)) if llamacpp else resolve_checkpoint(args.target)
     else:
         out = cache_root() / "exports" / f"{_slug(args.target)}-{_slug(args.drafter)}-{args.engine}"
         done = export_drafter(args.drafter, args.target, EngineFormat(args.engine), out, args.target_gguf)
-        draft, block, target = done.out, done.block_size, done.target
+        draft, block, target, method = done.out, done.block_size, done.target, done.method
     cuda = args.device == "cuda"
     if args.device == "auto":
         import torch
@@ -123,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         cpu_kv_cache_gib=args.cpu_kv_cache_gib,
         python=python,
         extra=tuple(args.extra),
+        method=method,
     )
     cmd = llamacpp_command(cfg) if llamacpp else vllm_command(cfg)
     print(cmd.shell(), flush=True)

@@ -25,6 +25,7 @@ class Exported:
     format: EngineFormat
     target: str  # what the engine opens as the target: vLLM an HF directory, llama.cpp a GGUF file
     block_size: int  # the drafter's block: vLLM's num_speculative_tokens is block_size - 1
+    method: str = "dflash"  # vLLM's speculative method for it
 
 
 def target_gguf_of(target: str, explicit: str | None = None) -> Path:
@@ -59,8 +60,10 @@ def export_drafter(drafter: str, target: str, fmt: EngineFormat, out: Path, targ
     from byblock.models.loading import load_model, resolve_checkpoint
 
     spec = DrafterSpec.parse(drafter)
+    if spec.kind in (DrafterKind.EAGLE3, DrafterKind.EAGLE3_TREE):
+        return _export_eagle3(spec, target, fmt, out)
     if spec.kind is not DrafterKind.DFLASH:
-        raise ByblockError(f"export takes a DFlash drafter (dflash[:PATH]), not '{drafter}'")
+        raise ByblockError(f"export takes a DFlash or EAGLE-3 drafter (dflash|eagle3[:PATH]), not '{drafter}'")
     src = dflash_source(spec.model, target)
     model = load_model(target, device="cpu", relayout=False, row_invariant=False)
     head = model.hf.get_output_embeddings().weight.detach()
@@ -79,3 +82,51 @@ def export_drafter(drafter: str, target: str, fmt: EngineFormat, out: Path, targ
         raise ByblockError(f"no exporter for {fmt.value}")
     block = int(json.loads((src / "config.json").read_text()).get("block_size", 16))
     return Exported(written, fmt, engine_target, block)
+
+
+def eagle3_source(model: str | None, target: str) -> Path:
+    """The EAGLE-3 checkpoint to export: `model` (a path) or the one shipped for `target`."""
+    from byblock.drafters import SHIPPED_EAGLE3
+    from byblock.drafters.eagle3_format import is_eagle3_checkpoint
+
+    if model:
+        src = Path(model).expanduser()
+    else:
+        sub = SHIPPED_EAGLE3.get(target)
+        src = Path(__file__).parents[1] / "drafters" / "weights" / sub if sub else Path("<none>")
+        if not sub or not src.is_dir():
+            raise ByblockError(f"no EAGLE-3 head ships for model '{target}': pass one with --drafter eagle3:PATH")
+    if not is_eagle3_checkpoint(src):
+        raise ByblockError(f"{src} is not an EAGLE-3 checkpoint (config.json of a LlamaForCausalLMEagle3)")
+    return src
+
+
+def _export_eagle3(spec, target: str, fmt: EngineFormat, out: Path) -> Exported:
+    """An EAGLE-3 head for vLLM: byblock already writes vLLM's layout, so this re-saves it (atomically, in its
+    own dtype) with the round depth recorded; llama.cpp's EAGLE-3 GGUF is not written by byblock yet."""
+    import torch
+    from safetensors import safe_open
+
+    from byblock.drafters import DEFAULT_BLOCK
+    from byblock.drafters.dflash_format import WEIGHTS
+    from byblock.drafters.eagle3_format import load_eagle3, save_eagle3
+    from byblock.models.loading import resolve_checkpoint
+
+    if fmt is not EngineFormat.VLLM:
+        raise ByblockError("EAGLE-3 heads export to vLLM (--format vllm); llama.cpp's EAGLE-3 GGUF is not written yet")
+    src = eagle3_source(spec.model, target)
+    with safe_open(str(src / WEIGHTS), "pt") as f:
+        dtype = f.get_tensor("fc.weight").dtype
+    model = load_eagle3(src, dtype=torch.float32)
+    if model.config.vocab_size != _target_vocab(target):
+        raise ByblockError(f"{src} was trained for a {model.config.vocab_size}-token vocabulary, not {target}'s")
+    block = spec.block_size or DEFAULT_BLOCK
+    model.config.extra["num_speculative_tokens"] = block - 1
+    written = save_eagle3(model, out, dtype)
+    return Exported(written, fmt, resolve_checkpoint(target), block, method="eagle3")
+
+
+def _target_vocab(target: str) -> int:
+    from byblock.models.loading import load_model_config
+
+    return int(load_model_config(target).get_text_config().vocab_size)

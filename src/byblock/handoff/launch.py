@@ -36,10 +36,13 @@ class LaunchConfig:
     cpu_kv_cache_gib: int = 4
     python: str = "python"
     extra: tuple[str, ...] = field(default_factory=tuple)  # passed through after the generated flags
+    method: str = "dflash"  # vLLM's speculative method: dflash | eagle3
 
     def __post_init__(self) -> None:
         if self.block_size < 2:
-            raise ByblockError(f"a DFlash drafter needs block_size >= 2, not {self.block_size}")
+            raise ByblockError(f"a drafter needs block_size >= 2 (one drafted token), not {self.block_size}")
+        if self.method not in ("dflash", "eagle3"):
+            raise ByblockError(f"unknown speculative method '{self.method}'")
         if not 0 < self.port < 65536:
             raise ByblockError(f"--port {self.port} is not a TCP port")
         if self.max_model_len < 16:
@@ -64,8 +67,8 @@ class Command:
 
 
 def vllm_command(cfg: LaunchConfig) -> Command:
-    """vLLM's OpenAI server with the DFlash drafter (`method: dflash`, K = block_size - 1)."""
-    spec = {"method": "dflash", "model": cfg.draft, "num_speculative_tokens": cfg.block_size - 1}
+    """vLLM's OpenAI server with the exported drafter (`method: dflash | eagle3`, K = block_size - 1)."""
+    spec = {"method": cfg.method, "model": cfg.draft, "num_speculative_tokens": cfg.block_size - 1}
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cfg.cuda else "float32")
     argv = [cfg.python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.target]
     argv += ["--served-model-name", cfg.served_name, "--speculative-config", json.dumps(spec)]
@@ -83,6 +86,8 @@ def vllm_command(cfg: LaunchConfig) -> Command:
 
 def llamacpp_command(cfg: LaunchConfig) -> Command:
     """llama-server on the target's GGUF with the DFlash GGUF as its draft model (`python` = the binary)."""
+    if cfg.method != "dflash":
+        raise ByblockError("llama.cpp launches take a DFlash GGUF (byblock export --format llamacpp)")
     argv = [cfg.python, "-m", cfg.target, "-md", cfg.draft, "--spec-type", "draft-dflash"]
     argv += ["--spec-draft-n-max", str(cfg.block_size - 1), "--alias", cfg.served_name]
     argv += ["-c", str(cfg.max_model_len), "--host", cfg.host, "--port", str(cfg.port)]

@@ -39,7 +39,8 @@ class PeerConfig:
     """What the vLLM engine loads."""
 
     target: str  # the HF directory of the target model
-    draft: str | None = None  # an exported DFlash directory (byblock export --format vllm); None = plain
+    draft: str | None = None  # an exported drafter directory (byblock export --format vllm); None = plain
+    method: str = "dflash"  # vLLM's speculative method for it: dflash | eagle3
     k: int = 15  # num_speculative_tokens
     dtype: str = "float32"
     max_model_len: int = 2048
@@ -76,6 +77,7 @@ class VllmPeer:
             {
                 "target": cfg.target,
                 "draft": cfg.draft,
+                "method": cfg.method,
                 "k": cfg.k,
                 "dtype": cfg.dtype,
                 "max_model_len": cfg.max_model_len,

@@ -59,7 +59,7 @@ def main() -> None:
     spec = None
     extra = {}
     if cfg.get("draft"):
-        spec = {"method": "dflash", "model": cfg["draft"], "num_speculative_tokens": int(cfg["k"])}
+        spec = {"method": cfg.get("method", "dflash"), "model": cfg["draft"], "num_speculative_tokens": int(cfg["k"])}
         extra["per_request_spec_decode_metrics"] = "summary"
     llm = LLM(
         model=cfg["target"],
