@@ -193,7 +193,9 @@ class Sequence:
         assert self.cache is not None
         end = start + len(rnd.segment.input_ids)
         hidden = out.hidden[start:end][None] if out.hidden is not None else None  # [1, T, k*H]
-        if hidden is not None and layers is not None and tuple(self.drafter.hidden_layers) != layers:
+        if self.drafter is None or not tuple(self.drafter.hidden_layers):  # no features wanted (plain, n-gram)
+            hidden = None
+        elif hidden is not None and layers is not None and tuple(self.drafter.hidden_layers) != layers:
             hidden = own_layers(hidden, layers, tuple(self.drafter.hidden_layers))
         if rnd.prefill:
             self.prefilled += len(rnd.segment.input_ids)
