@@ -3,6 +3,8 @@ the estimator against its definition, and the transformers integration on llama 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tiny import make_hf_model
@@ -165,6 +167,7 @@ def test_sparse_flags_from_the_cli(tiny_llama_dir):
             [*base, *flags, "--sparse", "stem", "--sparsity", "0"],
             [*base, *flags, "--sparse", "stem", "--sparsity", "0.9"],
             [*base, "--sparse", "stem", "--sparsity", "1.5"],
+            [*base, "--sparse", "stem", "--sparse-share-layers", "0"],
         ]
     )
     assert all(r.returncode == 0 for r in runs[:3]), [r.stderr for r in runs[:3]]
@@ -174,8 +177,8 @@ def test_sparse_flags_from_the_cli(tiny_llama_dir):
     out = json.loads(sparse.stdout)
     assert out["stem_density"]["0"] == 1.0 and out["stem_density"]["1"] < 0.6
     assert "warning: --sparsity 0.9" in sparse.stderr
-    bad = runs[3]
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    for bad in runs[3:]:
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
 @pytest.mark.slow
@@ -187,3 +190,64 @@ def test_gemma_sliding_layers_take_the_flex_window_kernel_and_stay_exact():
     density = enable_stem(model, cfg)
     torch.testing.assert_close(hf_logits(model, ids), ref, rtol=1e-4, atol=1e-4)
     assert density.kernel_layers == {3} and density.window_layers == {0, 1, 2}  # sliding layers: the window kernel
+
+
+def _recording(monkeypatch):
+    """Record every block mask Stem chooses (select_blocks) and every one its kernel attends with."""
+    import byblock.attention.hf_stem as hf_stem
+
+    chosen, used = [], []
+    select, kernel = hf_stem.select_blocks, hf_stem.block_sparse_attention
+
+    def select_rec(*a, **kw):
+        chosen.append(select(*a, **kw))
+        return chosen[-1]
+
+    def kernel_rec(q, k, v, mask, *a, **kw):
+        used.append(mask)
+        return kernel(q, k, v, mask, *a, **kw)
+
+    monkeypatch.setattr(hf_stem, "select_blocks", select_rec)
+    monkeypatch.setattr(hf_stem, "block_sparse_attention", kernel_rec)
+    return chosen, used
+
+
+@pytest.mark.parametrize("share", [1, 2, 3, 4])  # 4: one group, where a stale mask would be found
+def test_shared_index_is_chosen_once_per_group_and_reused(monkeypatch, share):
+    """--sparse-share-layers N: the first sparse layer of each group of N scores and selects; the next N-1
+    attend with exactly that mask (the same tensor), and a second prompt of the same shape never reuses the
+    first prompt's masks."""
+    chosen, used = _recording(monkeypatch)
+    model = make_hf_model("llama", max_position_embeddings=512, num_hidden_layers=5)
+    cfg = StemConfig(0.75, block_size=BS, stride=4, min_tokens=64, dense_layers=1, backend=Backend.GATHER)
+    cfg = replace(cfg, share_layers=share)
+    density = enable_stem(model, cfg)
+    gen = torch.Generator().manual_seed(3)
+    for prompt in range(2):
+        chosen.clear(), used.clear()
+        hf_logits(model, torch.randint(3, 300, (1, 256), generator=gen))
+        groups = [cfg.index_group(layer) for layer in range(1, 5)]  # layers 1..4 are sparse
+        assert len(used) == 4 and len(chosen) == len(set(groups))
+        anchors = [chosen[sorted(set(groups)).index(g)] for g in groups]
+        assert all(u is a for u, a in zip(used, anchors, strict=True)), prompt
+    assert density.shared_layers == {1: set(), 2: {2, 4}, 3: {2, 3}, 4: {2, 3, 4}}[share]
+    if share == 1:  # per layer, the layers really choose different blocks (so sharing is a real change)
+        assert any(not torch.equal(used[0], m) for m in used[1:])
+
+
+def test_shared_index_at_full_budget_is_still_dense_attention():
+    ids = torch.randint(3, 300, (1, 192), generator=torch.Generator().manual_seed(5))
+    ref = hf_logits(make_hf_model("llama", max_position_embeddings=512, num_hidden_layers=4), ids)
+    model = make_hf_model("llama", max_position_embeddings=512, num_hidden_layers=4)
+    cfg = StemConfig(0.0, block_size=BS, stride=4, min_tokens=64, dense_layers=0, backend=Backend.GATHER)
+    cfg = replace(cfg, share_layers=2)
+    density = enable_stem(model, cfg)
+    torch.testing.assert_close(hf_logits(model, ids), ref, rtol=1e-4, atol=1e-4)
+    assert density.shared_layers == {1, 3}
+
+
+def test_share_layers_must_be_positive():
+    from byblock.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match="share-layers"):
+        StemConfig(share_layers=0)

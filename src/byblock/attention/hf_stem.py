@@ -86,8 +86,7 @@ def stem_attention_forward(module, query, key, value, attention_mask, scaling=No
     q, k, v = query[:, :, :main], key[:, :, :main], value[:, :, :main]
     if key_valid is not None:
         k = k.masked_fill(~key_valid[:, None, :main, None], 0.0)  # padded keys score nothing in the estimate
-    logits = oam_block_logits(q, k, v, cfg, scale)
-    mask = select_blocks(logits, tpd_budgets(main // bs, cfg), cfg)
+    mask = _block_mask(q, k, v, cfg, scale, layer, density)
     if density is not None:
         density.per_layer[layer] = causal_density(mask)
         density.kernel_layers.add(layer)
@@ -105,6 +104,22 @@ def stem_attention_forward(module, query, key, value, attention_mask, scaling=No
         )
         out = torch.cat([out, tail], dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _block_mask(q, k, v, cfg: StemConfig, scale: float, layer: int, density: DensityLog | None) -> torch.Tensor:
+    """This layer's selected blocks [B, H, n, n]: scored here, or the mask its index group chose earlier in
+    this forward (--sparse-share-layers N > 1 skips the OAM scoring and top-k in N-1 of every N sparse layers)."""
+    n = q.shape[2] // cfg.block_size
+    group = cfg.index_group(layer)
+    if cfg.share_layers > 1 and density is not None:
+        mask = density.lookup(group, layer, torch.Size((q.shape[0], q.shape[1], n, n)))
+        if mask is not None:
+            density.shared_layers.add(layer)
+            return mask
+    mask = select_blocks(oam_block_logits(q, k, v, cfg, scale), tpd_budgets(n, cfg), cfg)
+    if cfg.share_layers > 1 and density is not None:
+        density.shared = (group, layer, mask)
+    return mask
 
 
 def _unpadded(attention_mask: torch.Tensor | None) -> bool:

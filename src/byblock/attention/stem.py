@@ -55,6 +55,9 @@ class StemConfig:
     dense_layers: int = 2  # the first layers stay dense
     min_tokens: int = 2048  # shorter prompts stay dense
     backend: Backend = Backend.FLEX
+    # Cross-layer shared index (CLSA's training-free variant, issue 37): the block mask is chosen in the first
+    # sparse layer of each group of `share_layers` and reused by the rest of the group (1: every layer its own).
+    share_layers: int = 1
 
     def __post_init__(self) -> None:
         from byblock.errors import InvalidParameterError
@@ -67,6 +70,12 @@ class StemConfig:
             raise InvalidParameterError("the block size must be a multiple of the stride")
         if self.oam_beta < 0 or self.sink_blocks < 0 or self.local_blocks < 1 or self.dense_layers < 0:
             raise InvalidParameterError("oam_beta, sink_blocks, dense_layers >= 0 and local_blocks >= 1")
+        if self.share_layers < 1:
+            raise InvalidParameterError(f"--sparse-share-layers must be >= 1, got {self.share_layers}")
+
+    def index_group(self, layer: int) -> int:
+        """Which shared-index group a sparse layer belongs to (layers dense_layers.. in runs of share_layers)."""
+        return (layer - self.dense_layers) // self.share_layers
 
 
 @dataclass
@@ -77,6 +86,20 @@ class DensityLog:
     kernel_layers: set[int] = field(default_factory=set)  # layers that ran the block-sparse kernel
     window_layers: set[int] = field(default_factory=set)  # sliding-window layers that ran the flex window kernel
     flex: Callable | None = None  # the compiled flex_attention, built on first use (per model)
+    shared_layers: set[int] = field(default_factory=set)  # layers that reused an earlier layer's block mask
+    # the last block mask chosen, as (index group, layer that chose it, mask): layers run in order within a
+    # forward, so a later layer of the same group finds its group's mask here (see lookup)
+    shared: tuple[int, int, torch.Tensor] | None = None
+
+    def lookup(self, group: int, layer: int, shape: torch.Size) -> torch.Tensor | None:
+        """The block mask an earlier layer of `group` chose in this forward, or None (then compute and store).
+
+        Only a mask chosen by a *lower* layer counts: that layer ran earlier in this same forward (it always
+        recomputes), so a mask left by a previous prompt of the same shape is never reused."""
+        if self.shared is None:
+            return None
+        g, by, mask = self.shared
+        return mask if g == group and by < layer and mask.shape == shape else None
 
     def mean(self) -> float:
         """Mean over the layers that ran sparse."""

@@ -5,7 +5,7 @@ setting (each one swaps the attention implementation or the cache), runs every p
 through every method, and reports one row per (setting, method, length).
 
 Setting grammar (one algorithm each, so the rows stay comparable):
-    dense | stem:SPARSITY | int8 | int4 | window:SINKS+WINDOW | snapkv:BUDGET | h2o:HEAVY+RECENT
+    dense | stem:SPARSITY[/SHARE_LAYERS] | int8 | int4 | window:SINKS+WINDOW | snapkv:BUDGET | h2o:HEAVY+RECENT
 """
 
 from __future__ import annotations
@@ -51,11 +51,12 @@ class LongSetting:
                 if arg:
                     raise ValueError
                 return LongSetting(text, kind)
-            if kind is LongKind.STEM:
-                sparsity = float(arg)
-                if not 0.0 <= sparsity < 1.0:
+            if kind is LongKind.STEM:  # stem:S or stem:S/N (the index shared across N layers)
+                level, slash, share = arg.partition("/")
+                sparsity, layers = float(level), int(share) if slash else 1
+                if not 0.0 <= sparsity < 1.0 or layers < 1:
                     raise ValueError
-                return LongSetting(text, kind, sparsity)
+                return LongSetting(text, kind, sparsity, layers)
             if kind is LongKind.SNAPKV:
                 if int(arg) < 1:
                     raise ValueError
@@ -66,8 +67,8 @@ class LongSetting:
             return LongSetting(text, kind, int(first), int(second))
         except ValueError:
             raise ByblockError(
-                f"bad setting '{text}': expected dense | stem:SPARSITY | int8 | int4 | window:SINKS+WINDOW | "
-                "snapkv:BUDGET | h2o:HEAVY+RECENT"
+                f"bad setting '{text}': expected dense | stem:SPARSITY[/SHARE_LAYERS] | int8 | int4 | "
+                "window:SINKS+WINDOW | snapkv:BUDGET | h2o:HEAVY+RECENT"
             ) from None
 
 
@@ -82,7 +83,7 @@ def apply_setting(model, setting: LongSetting, stem_base, snap_window: int) -> N
         if kind is LongKind.STEM:
             from byblock.attention.hf_stem import enable_stem
 
-            enable_stem(model.hf, replace(stem_base, sparsity=setting.a))
+            enable_stem(model.hf, replace(stem_base, sparsity=setting.a, share_layers=max(1, setting.b)))
         elif kind in (LongKind.INT8, LongKind.INT4):
             model.kv_bits = 8 if kind is LongKind.INT8 else 4
         elif kind is LongKind.WINDOW:

@@ -24,7 +24,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--settings",
         default=DEFAULT_SETTINGS,
-        help="comma list: dense | stem:S | int8 | int4 | window:SINKS+WINDOW | snapkv:BUDGET | h2o:HEAVY+RECENT",
+        help="comma list: dense | stem:S[/N] | int8 | int4 | window:SINKS+WINDOW | snapkv:BUDGET | h2o:HEAVY+RECENT",
     )
     g.add_argument("--passkey-lengths", default="1024,2048,4096", help="prompt lengths in tokens")
     g.add_argument("--passkey-depths", default="0.1,0.5,0.9", help="where the asked key sits (0 = start)")

@@ -24,6 +24,12 @@ def add_sparse_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--sparse-block", type=int, default=128, help="stem: block size (tokens)")
     s.add_argument("--sparse-min-tokens", type=int, default=2048, help="stem: shorter prompts stay dense")
     s.add_argument("--sparse-dense-layers", type=int, default=2, help="stem: the first layers stay dense")
+    s.add_argument(
+        "--sparse-share-layers",
+        type=int,
+        default=1,
+        help="stem: choose the block index in one layer and reuse it in the next N-1 (1: per layer)",
+    )
     s.add_argument("--sparse-backend", default="flex", choices=["flex", "gather"], help="stem: block-sparse kernel")
 
 
@@ -40,6 +46,7 @@ def stem_config(args: argparse.Namespace, sparsity: float):
         min_tokens=args.sparse_min_tokens,
         dense_layers=args.sparse_dense_layers,
         backend=Backend(args.sparse_backend),
+        share_layers=args.sparse_share_layers,
     )
 
 
