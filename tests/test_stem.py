@@ -166,8 +166,11 @@ def test_sparse_flags_from_the_cli(tiny_llama_dir):
             [*base, *flags],
             [*base, *flags, "--sparse", "stem", "--sparsity", "0"],
             [*base, *flags, "--sparse", "stem", "--sparsity", "0.9"],
+            [*base, *flags, "--sparse-decode", "2", "--sparse-decode-window", "16", "--max-new-tokens", "6"],
             [*base, "--sparse", "stem", "--sparsity", "1.5"],
             [*base, "--sparse", "stem", "--sparse-share-layers", "0"],
+            [*base, "--sparse-decode", "2", "--kv-window", "64"],
+            [*base, "--sparse-decode", "-1"],
         ]
     )
     assert all(r.returncode == 0 for r in runs[:3]), [r.stderr for r in runs[:3]]
@@ -177,7 +180,10 @@ def test_sparse_flags_from_the_cli(tiny_llama_dir):
     out = json.loads(sparse.stdout)
     assert out["stem_density"]["0"] == 1.0 and out["stem_density"]["1"] < 0.6
     assert "warning: --sparsity 0.9" in sparse.stderr
-    for bad in runs[3:]:
+    assert runs[3].returncode == 0, runs[3].stderr
+    decode = json.loads(runs[3].stdout)
+    assert "stem_density" not in decode and decode["decode_density"]["1"] < 0.6  # prefill dense, decode sparse
+    for bad in runs[4:]:
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 

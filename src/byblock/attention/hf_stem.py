@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from byblock.attention.sparse_decode import sparse_decode_attention
 from byblock.attention.stem import (
     Backend,
     DensityLog,
@@ -25,6 +26,7 @@ from byblock.attention.stem import (
     select_blocks,
     tpd_budgets,
 )
+from byblock.kernels.ragged import BATCH_KWARG
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +42,31 @@ def _sdpa(module, query, key, value, attention_mask, **kwargs):
 
 def stem_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention signature: query [B, H, Lq, D], key/value [B, Hkv, Lk, D] -> ([B, Lq, H, D], None)."""
+    if (batch := kwargs.pop(BATCH_KWARG, None)) is not None:  # a packed batch: per sequence, its own cache
+        return batch.attend(stem_attention_forward, module, query, key, value, scaling=scaling, **kwargs)
     cfg: StemConfig | None = getattr(module.config, "byblock_stem", None)
     density: DensityLog | None = getattr(module.config, "byblock_stem_log", None)
     _, h, lq, d = query.shape
     lk = key.shape[2]
     layer = getattr(module, "layer_idx", 0)
+    window = getattr(module, "sliding_window", None)
+    if cfg is not None and cfg.decode_blocks and lq < lk and layer >= cfg.dense_layers and window is None:
+        scale = scaling if scaling is not None else d**-0.5
+        mask = attention_mask if attention_mask is None or attention_mask.dim() == 4 else None
+        out, frac = sparse_decode_attention(
+            query, key, value, mask, scale, cfg.block_size, cfg.decode_blocks, cfg.decode_window, cfg.sink_blocks
+        )
+        if density is not None:
+            density.decode[layer] = frac
+        return out.transpose(1, 2).contiguous(), None
     sparse = (
         cfg is not None
+        and cfg.prefill
         and lq == lk  # a first prefill: query i aligns with key i
         and lq >= max(cfg.min_tokens, 2 * cfg.block_size)
         and layer >= cfg.dense_layers
         and getattr(module, "sliding_window", None) is None
     )
-    window = getattr(module, "sliding_window", None)
     if (
         cfg is not None
         and density is not None
@@ -71,7 +85,7 @@ def stem_attention_forward(module, query, key, value, attention_mask, scaling=No
         density.window_layers.add(layer)
         return out.transpose(1, 2).contiguous(), None
     if not sparse:
-        if cfg is not None and density is not None and lq == lk and lq > 1:
+        if cfg is not None and cfg.prefill and density is not None and lq == lk and lq > 1:
             density.per_layer[layer] = 1.0
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else d**-0.5

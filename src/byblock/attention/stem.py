@@ -58,6 +58,11 @@ class StemConfig:
     # Cross-layer shared index (CLSA's training-free variant, issue 37): the block mask is chosen in the first
     # sparse layer of each group of `share_layers` and reused by the rest of the group (1: every layer its own).
     share_layers: int = 1
+    prefill: bool = True  # False: prompts prefill densely (only decode is sparse)
+    # Sparse decode/verify (attention/sparse_decode.py): each new row attends to the sinks, its recent keys
+    # from `decode_window` positions back, and the `decode_blocks` best key blocks before them (0: dense).
+    decode_blocks: int = 0
+    decode_window: int = 256
 
     def __post_init__(self) -> None:
         from byblock.errors import InvalidParameterError
@@ -70,6 +75,8 @@ class StemConfig:
             raise InvalidParameterError("the block size must be a multiple of the stride")
         if self.oam_beta < 0 or self.sink_blocks < 0 or self.local_blocks < 1 or self.dense_layers < 0:
             raise InvalidParameterError("oam_beta, sink_blocks, dense_layers >= 0 and local_blocks >= 1")
+        if self.decode_blocks < 0 or self.decode_window < 1:
+            raise InvalidParameterError("--sparse-decode must be >= 0 and --sparse-decode-window >= 1")
         if self.share_layers < 1:
             raise InvalidParameterError(f"--sparse-share-layers must be >= 1, got {self.share_layers}")
 
@@ -86,6 +93,7 @@ class DensityLog:
     kernel_layers: set[int] = field(default_factory=set)  # layers that ran the block-sparse kernel
     window_layers: set[int] = field(default_factory=set)  # sliding-window layers that ran the flex window kernel
     flex: Callable | None = None  # the compiled flex_attention, built on first use (per model)
+    decode: dict[int, float] = field(default_factory=dict)  # per layer: fraction of visible keys a decode row read
     shared_layers: set[int] = field(default_factory=set)  # layers that reused an earlier layer's block mask
     # the last block mask chosen, as (index group, layer that chose it, mask): layers run in order within a
     # forward, so a later layer of the same group finds its group's mask here (see lookup)

@@ -106,7 +106,11 @@ def run(args: argparse.Namespace) -> int:
     res = gen.result
     assert res is not None
     if args.json:
-        extra = {"stem_density": {str(k): round(v, 4) for k, v in sorted(density.per_layer.items())}} if density else {}
+        extra = {}
+        if density and density.per_layer:
+            extra["stem_density"] = {str(k): round(v, 4) for k, v in sorted(density.per_layer.items())}
+        if density and density.decode:  # the last decode forward's share of visible keys read, per layer
+            extra["decode_density"] = {str(k): round(v, 4) for k, v in sorted(density.decode.items())}
         print(json.dumps({**res.to_json(), **extra}))
         return 0
     spec_part = ""

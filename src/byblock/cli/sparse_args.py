@@ -30,6 +30,19 @@ def add_sparse_args(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="stem: choose the block index in one layer and reuse it in the next N-1 (1: per layer)",
     )
+    s.add_argument(
+        "--sparse-decode",
+        type=int,
+        default=0,
+        metavar="K",
+        help="decode/verify rows attend to the sinks, their recent keys and the K best key blocks (0: dense)",
+    )
+    s.add_argument(
+        "--sparse-decode-window",
+        type=int,
+        default=256,
+        help="sparse decode: recent positions every row sees densely (at least the rows of one verify)",
+    )
     s.add_argument("--sparse-backend", default="flex", choices=["flex", "gather"], help="stem: block-sparse kernel")
 
 
@@ -47,11 +60,15 @@ def stem_config(args: argparse.Namespace, sparsity: float):
         dense_layers=args.sparse_dense_layers,
         backend=Backend(args.sparse_backend),
         share_layers=args.sparse_share_layers,
+        prefill=args.sparse == "stem",
+        decode_blocks=args.sparse_decode,
+        decode_window=args.sparse_decode_window,
     )
 
 
 def enable_sparse(model, args: argparse.Namespace):
-    """Apply --kv-quant; switch the model to Stem prefill when --sparse stem (returns its density log, else None)."""
+    """Apply --kv-quant; switch the model to Stem prefill when --sparse stem and to sparse decode when
+    --sparse-decode K (returns the density log, else None)."""
     from byblock.errors import ByblockError
     from byblock.kv.kv_cache import StreamingWindow
 
@@ -77,8 +94,10 @@ def enable_sparse(model, args: argparse.Namespace):
             model.h2o = enable_h2o(model.hf, H2OConfig(args.kv_h2o, args.kv_h2o_recent))
         except ValueError as e:
             raise ByblockError(str(e)) from None
-    if args.sparse == "none":
+    if args.sparse == "none" and not args.sparse_decode:
         return None
+    if args.sparse_decode and (model.kv_window or args.kv_snap or args.kv_h2o):
+        raise ByblockError("--sparse-decode does not combine with --kv-window, --kv-snap or --kv-h2o")
     from byblock.attention.hf_stem import enable_stem
 
     cfg = stem_config(args, args.sparsity)

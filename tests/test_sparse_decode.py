@@ -1,0 +1,184 @@
+"""Sparse decode/verify (--sparse-decode): the kernel against a brute-force reference, each row bitwise the same
+alone or inside a verify (chain and tree), full budget = dense, and speculative decoding lossless with respect
+to the sparse model, solo and batched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import make_dflash, make_target
+
+from byblock.attention.hf_stem import enable_stem
+from byblock.attention.sparse_decode import sparse_decode_attention
+from byblock.attention.stem import StemConfig
+from byblock.drafters.ddtree import DDTreeDrafter
+from byblock.drafters.dflash import DFlashDrafter
+from byblock.drafters.ngram import NgramConfig, NgramDrafter
+from byblock.engine.api import generate
+from byblock.sampling.params import SamplingParams
+
+BS, K, W, SINKS = 8, 3, 8, 1
+
+
+def qkv(seed: int, lq: int, lk: int, h: int = 4, hkv: int = 2, d: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, h, lq, d, generator=g)
+    return q, torch.randn(1, hkv, lk, d, generator=g), torch.randn(1, hkv, lk, d, generator=g)
+
+
+def run(q, k, v, mask=None, blocks=K, window=W):
+    return sparse_decode_attention(q, k, v, mask, 0.35, BS, blocks, window, SINKS)[0]
+
+
+def brute_force(q, k, v, blocks=K, window=W):
+    """Causal rows (new rows last), each head's allowed keys chosen by explicit loops over the Quest bound."""
+    _, h, lq, d = q.shape
+    lk, groups = k.shape[2], h // k.shape[1]
+    out = torch.zeros_like(q)
+    for i in range(lq):
+        p = lk - lq + i
+        end = max(0, (p - window + 1) // BS)
+        for hh in range(h):
+            kk, vv, qq = k[0, hh // groups, : p + 1], v[0, hh // groups, : p + 1], q[0, hh, i]
+            allowed = torch.ones(p + 1, dtype=torch.bool)
+            if end - SINKS > blocks:
+                bounds = []
+                for blk in range(SINKS, end):
+                    tile = kk[blk * BS : (blk + 1) * BS]
+                    bounds.append(float(sum(max(qq[j] * tile[:, j].max(), qq[j] * tile[:, j].min()) for j in range(d))))
+                best = sorted(range(len(bounds)), key=lambda j: -bounds[j])[:blocks]
+                allowed[SINKS * BS : end * BS] = False
+                for j in best:
+                    allowed[(SINKS + j) * BS : (SINKS + j + 1) * BS] = True
+            w = torch.softmax((kk @ qq) * 0.35 + torch.where(allowed, 0.0, float("-inf")), 0)
+            out[0, hh, i] = w @ vv
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kernel_matches_brute_force(seed):
+    q, k, v = qkv(seed, lq=5, lk=90)
+    torch.testing.assert_close(run(q, k, v), brute_force(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_full_budget_is_dense_causal_attention():
+    q, k, v = qkv(7, lq=4, lk=70)
+    mask = torch.ones(4, 70, dtype=torch.bool).tril(diagonal=66)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.35
+    )
+    torch.testing.assert_close(run(q, k, v, blocks=100), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_each_verify_row_is_bitwise_its_decode_step(seed):
+    """Row i of a 6-row forward over L + 6 keys == the same query alone over its first L + i + 1 keys."""
+    q, k, v = qkv(seed, lq=6, lk=100)
+    together = run(q, k, v)
+    for i in range(6):
+        alone = run(q[:, :, i : i + 1], k[:, :, : 95 + i], v[:, :, : 95 + i])
+        assert torch.equal(together[:, :, i], alone[:, :, 0]), i
+
+
+def test_tree_rows_see_their_ancestors_as_plain_decoding_would():
+    """A tree verify (additive mask over committed keys + ancestors): each node's row equals the row decoded
+    after its ancestors were committed in order."""
+    past, parents = 90, [-1, 0, 0, 1, 2]  # node 0 is the root; 3 under 1, 4 under 2
+    q, k, v = qkv(11, lq=5, lk=past + 5)
+    allowed = torch.zeros(5, past + 5, dtype=torch.bool)
+    allowed[:, :past] = True
+    chains = []
+    for n in range(5):
+        chain, a = [], n
+        while a >= 0:
+            chain.append(a)
+            a = parents[a]
+        chains.append(chain[::-1])
+        allowed[n, [past + a for a in chain]] = True
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+    together = run(q, k, v, mask=additive)
+    for n, chain in enumerate(chains):
+        slots = list(range(past)) + [past + a for a in chain]
+        alone = run(q[:, :, n : n + 1], k[:, :, slots], v[:, :, slots])
+        assert torch.equal(together[:, :, n], alone[:, :, 0]), n
+
+
+def test_window_must_cover_the_rows_of_a_forward():
+    from byblock.errors import InvalidParameterError
+
+    q, k, v = qkv(0, lq=9, lk=100)
+    with pytest.raises(InvalidParameterError, match="sparse-decode-window"):
+        run(q, k, v, window=8)
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 4
+
+
+def sparse_target():
+    model = make_target()
+    cfg = StemConfig(block_size=BS, dense_layers=0, prefill=False, decode_blocks=2, decode_window=16)
+    return model, enable_stem(model.hf, cfg)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "dflash", "ddtree"])
+def test_speculative_decoding_is_lossless_under_sparse_decode(kind):
+    model, density = sparse_target()
+    params = SamplingParams(max_new_tokens=40)
+    plain = generate(model, PROMPT, params, chat=False)
+    assert density.decode and max(density.decode.values()) < 0.8  # decode rows really skipped keys
+    drafter = {
+        "ngram": lambda: NgramDrafter(NgramConfig(block_size=4)),
+        "dflash": lambda: DFlashDrafter(make_dflash(model, 6), model),
+        "ddtree": lambda: DDTreeDrafter(DFlashDrafter(make_dflash(model, 6), model), budget=12),
+    }[kind]()
+    spec = generate(model, PROMPT, params, drafter=drafter, chat=False)
+    assert spec.token_ids == plain.token_ids
+    dense = generate(make_target(), PROMPT, params, chat=False)
+    assert dense.num_new_tokens == plain.num_new_tokens
+
+
+def test_batched_requests_are_their_solo_outputs_under_sparse_decode():
+    model, _ = sparse_target()
+    prompts = [PROMPT, PROMPT[:150] + " cats", PROMPT + "Once more:"]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5)  # sampled: varied tokens, same per request
+    solo = [generate(model, p, params, chat=False).token_ids for p in prompts]
+    together = [r.token_ids for r in generate(model, prompts, params, chat=False)]
+    assert together == solo and len(set(solo[0])) > 5
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_verify_logits_are_bitwise_the_decode_steps(tree):
+    """Model level, row-invariant fp32 linears: a 6-token verify forward (chain, or a tree whose path is those
+    tokens) gives each path row bitwise the logits of decoding that token alone."""
+    model = make_target(packed=True)
+    cfg = StemConfig(block_size=BS, dense_layers=0, prefill=False, decode_blocks=2, decode_window=16)
+    density = enable_stem(model.hf, cfg)
+    ids = model.encode_prompt(PROMPT, chat=False)
+    new = [5, 17, 42, 9, 33, 12]
+    cache = model.new_cache()
+    model.forward(torch.tensor([ids]), cache)
+    steps = [model.forward(torch.tensor([[t]]), cache).logits[0, -1] for t in new]
+    assert max(density.decode.values()) < 0.8
+    cache = model.new_cache()
+    model.forward(torch.tensor([ids]), cache)
+    if not tree:
+        rows = model.forward(torch.tensor([new]), cache).logits[0]
+        path = list(range(6))
+    else:  # the path 0-1-2-3-4-5 interleaved with siblings 6, 7 (children of nodes 0 and 2)
+        tokens = [*new, 77, 88]
+        parents = [-1, 0, 1, 2, 3, 4, 0, 2]
+        order = [0, 1, 6, 2, 7, 3, 4, 5]  # node order in the forward: parents first, siblings in between
+        slot = {n: i for i, n in enumerate(order)}
+        tm = torch.zeros(8, 8, dtype=torch.bool)
+        for n in order:
+            a = n
+            while a >= 0:
+                tm[slot[n], slot[a]] = True
+                a = parents[a]
+        start = cache.next_position
+        depth = [0, 1, 2, 3, 4, 5, 1, 3]
+        pos = torch.tensor([[start + depth[n] for n in order]])
+        out = model.forward(torch.tensor([[tokens[n] for n in order]]), cache, positions=pos, tree_mask=tm)
+        rows, path = out.logits[0], [slot[n] for n in range(6)]
+    for j, r in enumerate(path):
+        assert torch.equal(rows[r], steps[j]), j
