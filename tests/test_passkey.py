@@ -30,7 +30,7 @@ def test_bench_runs_every_setting_on_the_passkey_probe(tiny_llama_dir, tmp_path)
 
     results = tmp_path / "RESULTS.md"
     cmd = [sys.executable, "-m", "byblock.cli.main", "bench", "--model", str(tiny_llama_dir), "--dataset", "passkey"]
-    settings = "dense,stem:0.5,stem:0.5/2,int8,int4,window:4+64,snapkv:32,h2o:16+16"
+    settings = "dense,stem:0.5,stem:0.5/2,decode:2+32,int8,int4,window:4+64,snapkv:32,h2o:16+16"
     cmd += ["--settings", settings, "--methods", "ar,ngram"]
     cmd += ["--passkey-lengths", "200,300", "--passkey-depths", "0.5", "--passkey-keys", "1,2"]
     cmd += ["--sparse-min-tokens", "64", "--sparse-block", "16", "--sparse-dense-layers", "0", "--quiet"]
@@ -40,7 +40,7 @@ def test_bench_runs_every_setting_on_the_passkey_probe(tiny_llama_dir, tmp_path)
     report = json.loads((tmp_path / "out/report.json").read_text())
     assert json.loads(r.stdout.strip().splitlines()[-1])["report"].endswith("report.json")
     rows = report["rows"]
-    assert len(rows) == 8 * 2 * 2 and all(row["n"] == 2 and 0 <= row["accuracy"] <= 1 for row in rows)
+    assert len(rows) == 9 * 2 * 2 and all(row["n"] == 2 and 0 <= row["accuracy"] <= 1 for row in rows)
     kv = {(row["setting"], row["length"]): row["kv_mb"] for row in rows if row["method"] == "ar"}
     assert kv[("int8", 300)] < kv[("dense", 300)] / 3 and kv[("int4", 300)] < kv[("int8", 300)]
     assert kv[("h2o:16+16", 300)] < kv[("dense", 300)] / 5 and kv[("snapkv:32", 300)] < kv[("dense", 300)]
@@ -50,7 +50,12 @@ def test_bench_runs_every_setting_on_the_passkey_probe(tiny_llama_dir, tmp_path)
     assert all(len(v) == 1 for v in greedy.values())
     text = results.read_text()
     assert "<!-- bench:pk -->" in text and "h2o:16+16" in text and "byblock bench" in text
-    bads = (["--settings", "h2o:16"], ["--settings", "stem:0.5/0"], ["--settings", "dense,dense"])
+    bads = (
+        ["--settings", "h2o:16"],
+        ["--settings", "stem:0.5/0"],
+        ["--settings", "decode:0"],
+        ["--settings", "dense,dense"],
+    )
     bads += (["--passkey-lengths", "x"], ["--kv-h2o", "8"])
     for b in run_all([[*cmd[:6], *bad] for bad in bads]):
         assert b.returncode == 2 and len(b.stderr.strip().splitlines()) == 1, b.stderr

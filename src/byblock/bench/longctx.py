@@ -5,7 +5,8 @@ setting (each one swaps the attention implementation or the cache), runs every p
 through every method, and reports one row per (setting, method, length).
 
 Setting grammar (one algorithm each, so the rows stay comparable):
-    dense | stem:SPARSITY[/SHARE_LAYERS] | int8 | int4 | window:SINKS+WINDOW | snapkv:BUDGET | h2o:HEAVY+RECENT
+    dense | stem:SPARSITY[/SHARE_LAYERS] | decode:BLOCKS[+WINDOW] | int8 | int4 | window:SINKS+WINDOW |
+    snapkv:BUDGET | h2o:HEAVY+RECENT
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class LongKind(Enum):
     WINDOW = "window"
     SNAPKV = "snapkv"
     H2O = "h2o"
+    DECODE = "decode"  # sparse decode/verify (attention/sparse_decode.py): decode:BLOCKS[+WINDOW]
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,12 @@ class LongSetting:
                 if not 0.0 <= sparsity < 1.0 or layers < 1:
                     raise ValueError
                 return LongSetting(text, kind, sparsity, layers)
+            if kind is LongKind.DECODE:
+                blocks, plus, window = arg.partition("+")
+                setting = LongSetting(text, kind, int(blocks), int(window) if plus else 256)
+                if setting.a < 1 or setting.b < 1:
+                    raise ValueError
+                return setting
             if kind is LongKind.SNAPKV:
                 if int(arg) < 1:
                     raise ValueError
@@ -68,7 +76,7 @@ class LongSetting:
         except ValueError:
             raise ByblockError(
                 f"bad setting '{text}': expected dense | stem:SPARSITY[/SHARE_LAYERS] | int8 | int4 | "
-                "window:SINKS+WINDOW | snapkv:BUDGET | h2o:HEAVY+RECENT"
+                "window:SINKS+WINDOW | snapkv:BUDGET | h2o:HEAVY+RECENT | decode:BLOCKS[+WINDOW]"
             ) from None
 
 
@@ -83,7 +91,14 @@ def apply_setting(model, setting: LongSetting, stem_base, snap_window: int) -> N
         if kind is LongKind.STEM:
             from byblock.attention.hf_stem import enable_stem
 
-            enable_stem(model.hf, replace(stem_base, sparsity=setting.a, share_layers=max(1, setting.b)))
+            cfg = replace(stem_base, sparsity=setting.a, share_layers=max(1, setting.b), prefill=True, decode_blocks=0)
+            enable_stem(model.hf, cfg)
+        elif kind is LongKind.DECODE:  # prompts prefill densely; decode rows read the sinks, window and K blocks
+            from byblock.attention.hf_stem import enable_stem
+
+            enable_stem(
+                model.hf, replace(stem_base, prefill=False, decode_blocks=int(setting.a), decode_window=setting.b)
+            )
         elif kind in (LongKind.INT8, LongKind.INT4):
             model.kv_bits = 8 if kind is LongKind.INT8 else 4
         elif kind is LongKind.WINDOW:

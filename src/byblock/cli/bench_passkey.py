@@ -24,7 +24,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--settings",
         default=DEFAULT_SETTINGS,
-        help="comma list: dense | stem:S[/N] | int8 | int4 | window:SINKS+WINDOW | snapkv:BUDGET | h2o:HEAVY+RECENT",
+        help="comma list: dense | stem:S[/N] | decode:K[+W] | int8 | int4 | window:SINKS+WINDOW | snapkv:BUDGET | "
+        "h2o:HEAVY+RECENT",
     )
     g.add_argument("--passkey-lengths", default="1024,2048,4096", help="prompt lengths in tokens")
     g.add_argument("--passkey-depths", default="0.1,0.5,0.9", help="where the asked key sits (0 = start)")
@@ -55,7 +56,14 @@ def run(args: argparse.Namespace) -> int:
         raise ByblockError("--dataset passkey runs on its own (its rows are settings, not datasets)")
     if bool(args.update_results) != bool(args.section):
         raise ByblockError("--update-results and --section go together")
-    if args.sparse != "none" or args.kv_quant != "none" or args.kv_window or args.kv_snap or args.kv_h2o:
+    if (
+        args.sparse != "none"
+        or args.sparse_decode
+        or args.kv_quant != "none"
+        or args.kv_window
+        or args.kv_snap
+        or args.kv_h2o
+    ):
         raise ByblockError("with --dataset passkey, choose long-prompt techniques with --settings")
     settings = [LongSetting.parse(s.strip()) for s in args.settings.split(",") if s.strip()]
     if not settings or len({s.name for s in settings}) != len(settings):
