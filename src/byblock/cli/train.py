@@ -47,6 +47,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     from byblock.cli import train_eagle3
 
     train_eagle3.add_args(subs.add_parser("eagle3", help=train_eagle3.HELP, description=train_eagle3.HELP))
+    from byblock.cli import train_convert
+
+    train_convert.add_args(subs.add_parser("convert", help=train_convert.HELP, description=train_convert.HELP))
 
 
 def add_dflash_args(parser: argparse.ArgumentParser) -> None:
@@ -161,6 +164,10 @@ def run(args: argparse.Namespace) -> int:
         from byblock.cli import train_eagle3
 
         return train_eagle3.run(args)
+    if args.method == "convert":
+        from byblock.cli import train_convert
+
+        return train_convert.run(args)
     from byblock.errors import ByblockError
     from byblock.models.devices import resolve_device
     from byblock.training.dflash_train import TrainConfig

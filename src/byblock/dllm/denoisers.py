@@ -81,14 +81,24 @@ class MaskDenoiser:
     uses_self_conditioning = False
 
     def __init__(
-        self, hf_model: torch.nn.Module, mask_token_id: int, block_size: int, full_bidirectional: bool = False
+        self,
+        hf_model: torch.nn.Module,
+        mask_token_id: int,
+        block_size: int,
+        full_bidirectional: bool = False,
+        shift: bool = False,
     ) -> None:
         """full_bidirectional: LLaDA-style, every position (the prompt too) attends to every other; then no
-        block cache is exact and CacheMode.PREFIX is Fast-dLLM's approximate prefix cache."""
+        block cache is exact and CacheMode.PREFIX is Fast-dLLM's approximate prefix cache.
+        shift: the logits at position i − 1 predict token i (Dream / Fast-dLLM v2: a model converted from an
+        AR one keeps its next-token head), so a canvas's first token is read off the last committed row."""
+        if shift and full_bidirectional:
+            raise ValueError("shifted logits need a block-causal model")
         self.hf = hf_model.eval()
         self.mask_token_id = mask_token_id
         self.default_block_size = block_size
         self.full_bidirectional = full_bidirectional
+        self.shift = shift
         self.vocab_size = int(hf_model.config.get_text_config().vocab_size)
         self.dtype = next(hf_model.parameters()).dtype
 
@@ -119,8 +129,10 @@ class _MaskSession:
         self.length = prompt_ids.shape[1]
         self.cache = KVCache(device=self.device)
         self.block_started = False  # PREFIX: the prefix K/V of the current block are cached
+        self.last: torch.Tensor | None = None  # shift + EXACT: the last committed row's logits [B, 1, V]
         if cache is CacheMode.EXACT:
-            self._forward(prompt_ids, self.cache.hf, start=0, mask=None)
+            logits = self._forward(prompt_ids, self.cache.hf, start=0, mask=None)
+            self.last = logits[:, -1:]
 
     def _forward(self, ids: torch.Tensor, cache, start: int, mask: torch.Tensor | None) -> torch.Tensor:
         pos = torch.arange(start, start + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
@@ -137,6 +149,9 @@ class _MaskSession:
             past = self.cache.length
             logits = self._forward(canvas, self.cache.hf, past, self._bidi_mask(past, canvas.shape[1]))
             self.cache.crop(past)
+            if self.m.shift:
+                assert self.last is not None
+                logits = torch.cat([self.last, logits[:, :-1]], dim=1)
             return logits.float()
         if self.mode is CacheMode.PREFIX and self.block_started:
             past = self.cache.length  # stale prefix K/V: computed when the block started
@@ -150,7 +165,9 @@ class _MaskSession:
         else:
             mask = segment_mask([(s.tokens.shape[1], s.bidirectional) for s in segs], self.m.dtype, self.device)
         fresh = KVCache(device=self.device)
-        logits = self._forward(ids, fresh.hf, 0, mask)[:, -canvas.shape[1] :].float()
+        logits = self._forward(ids, fresh.hf, 0, mask)
+        b = canvas.shape[1]
+        logits = (logits[:, -b - 1 : -1] if self.m.shift else logits[:, -b:]).float()
         if self.mode is CacheMode.PREFIX:  # keep the prefix K/V of this full pass for the block's later steps
             fresh.crop(self.length)
             self.cache, self.block_started = fresh, True
@@ -161,7 +178,8 @@ class _MaskSession:
         """One bidirectional-within-block pass writes the block's K/V (EXACT); NONE just remembers it."""
         if self.mode is CacheMode.EXACT:
             past = self.cache.length
-            self._forward(block, self.cache.hf, past, self._bidi_mask(past, block.shape[1]))
+            logits = self._forward(block, self.cache.hf, past, self._bidi_mask(past, block.shape[1]))
+            self.last = logits[:, -1:]
         self.segments.append(_Segment(block, bidirectional=True))
         self.length += block.shape[1]
         self.block_started = False

@@ -69,7 +69,8 @@ def load_dllm(name_or_path: str, dtype: torch.dtype = torch.float32, device: tor
         except (ValueError, KeyError, TypeError) as e:
             raise ByblockError(f"{path / DLLM_CONFIG} is malformed: {e}") from None
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
-        denoiser: Denoiser = MaskDenoiser(hf, mask_id, block, bool(meta.get("full_bidirectional", False)))
+        bidi, shift = bool(meta.get("full_bidirectional", False)), bool(meta.get("shift", False))
+        denoiser: Denoiser = MaskDenoiser(hf, mask_id, block, bidi, shift)
     else:
         from transformers import DiffusionGemmaForBlockDiffusion
 
