@@ -182,3 +182,14 @@ def test_verify_logits_are_bitwise_the_decode_steps(tree):
         rows, path = out.logits[0], [slot[n] for n in range(6)]
     for j, r in enumerate(path):
         assert torch.equal(rows[r], steps[j]), j
+
+
+def test_prompt_chunks_attend_densely_under_sparse_decode():
+    """A chunked prefill (64-row chunks, more than the 16-position window) runs: prompt rows are not decode rows."""
+    from byblock.engine.scheduler import BatchConfig
+
+    model, _ = sparse_target()
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=1)
+    batch = BatchConfig(max_batched_tokens=64, chunked_prefill=True)
+    out = generate(model, [PROMPT, PROMPT + " again"], params, chat=False, batch=batch)
+    assert [r.num_new_tokens for r in out] == [8, 8] and all(r.finish_reason.value == "length" for r in out)

@@ -26,7 +26,7 @@ from byblock.attention.stem import (
     select_blocks,
     tpd_budgets,
 )
-from byblock.kernels.ragged import BATCH_KWARG
+from byblock.kernels.ragged import BATCH_KWARG, PROMPT_KWARG
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,10 @@ def stem_attention_forward(module, query, key, value, attention_mask, scaling=No
     lk = key.shape[2]
     layer = getattr(module, "layer_idx", 0)
     window = getattr(module, "sliding_window", None)
-    if cfg is not None and cfg.decode_blocks and lq < lk and layer >= cfg.dense_layers and window is None:
+    # Sparse decode covers decoded and verified rows; prompt chunks (chunked prefill, a cached continuation)
+    # attend densely, so a chunked prompt stays bitwise one prefill (kernels/ragged.py PROMPT_KWARG).
+    decode = lq < lk and not kwargs.get(PROMPT_KWARG, False)
+    if cfg is not None and cfg.decode_blocks and decode and layer >= cfg.dense_layers and window is None:
         scale = scaling if scaling is not None else d**-0.5
         mask = attention_mask if attention_mask is None or attention_mask.dim() == 4 else None
         out, frac = sparse_decode_attention(
