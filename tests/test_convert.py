@@ -69,6 +69,7 @@ def test_shifted_logits_read_the_row_before_each_canvas_token(tiny_llama_dir):
 def test_convert_cli(regen_dir, tiny_llama_dir, tmp_path):
     base = [sys.executable, "-m", "byblock.cli.main", "train", "convert", "--model", str(tiny_llama_dir)]
     flags = ["--steps", "2", "--seqs-per-step", "1", "--block-size", "4", "--val-examples", "2", "--quiet"]
+    flags += ["--bf16", "true"]
     ok = subprocess.run(
         [*base, "--data", str(regen_dir / "regen"), "--out", str(tmp_path), *flags], capture_output=True, text=True
     )

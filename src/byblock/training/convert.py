@@ -55,6 +55,7 @@ class ConvertConfig:
     grad_clip: float = 1.0
     distill: float = 0.5  # weight of the KL to the AR model's stored top-k (0: hard labels only)
     complementary: bool = True
+    bf16: bool = False  # autocast the matmuls to bf16 (weights and optimizer stay fp32): ~1.8x on native-bf16 CPUs
     max_context: int = 256  # blocks whose context (prompt + earlier blocks) is longer are not drawn (CPU cost)
     min_mask: float = 0.05  # ε of t ~ U(ε, 1)
     val_shards: int = 1
@@ -167,7 +168,9 @@ class Converter:
     def loss(self, examples: list[tuple[Sequence, int]], masks: list[torch.Tensor], weights: list[float]):
         """ELBO-weighted masked cross-entropy (+ distillation) over the examples; returns (loss, masked accuracy)."""
         ids, att, parts = self.batch(examples, masks)
-        states = self.hf.model(input_ids=ids, attention_mask=att).last_hidden_state
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            states = self.hf.model(input_ids=ids, attention_mask=att).last_hidden_state
+        states = states.float()
         size = self.cfg.block_size
         # shifted: rows c-1 .. c+size-2 predict the canvas tokens; the LM head runs on those rows only
         rows = torch.stack([torch.arange(len(ctx) - 1, len(ctx) - 1 + size) for ctx, _, _ in parts])
