@@ -2,11 +2,14 @@
 vs `--sparse-decode K` (attention/sparse_decode.py), at the model's head shapes.
 
     .venv/bin/python benchmarks/sparse_decode.py [--lengths 8192,16384,32768] [--rows 1,16] [--blocks 8,16]
-        [--update-results benchmarks/RESULTS.md --section sparse-decode]
+        [--model smollm2-135m --e2e-lengths 2048,4096,8000] [--update-results benchmarks/RESULTS.md --section S]
 
-Dense is what a decode step runs today (transformers' SDPA path: K/V repeated to the query heads, then SDPA
-with the causal mask of the new rows). Sparse is the whole per-row path: visible keys, block extremes over the
-cache (recomputed every forward), the Quest bound, top-K, gather and SDPA per row. Ratios come from one run.
+Attention only: dense is byblock's decode kernel (kernels/gqa_sdpa.py: the CPU row kernel over every visible
+key, in place); sparse is the whole `--sparse-decode` path (visible keys, block extremes, the Quest bound,
+top-K per KV head, the row kernel over the chosen keys). The extremes are computed inside the timed call here
+(a cache keeps them between forwards). End to end (--model): one process prefills a random prompt once, then
+times decode steps of the loaded model as `byblock generate` runs it, dense and with each K, interleaved over
+three rounds on the same cache (cropped back after each), median per setting. Ratios come from one run.
 """
 
 from __future__ import annotations
@@ -34,14 +37,56 @@ def median_ms(fn, repeats: int) -> float:
     return 1000 * sorted(times)[len(times) // 2]
 
 
+class _Module(torch.nn.Module):
+    is_causal = True
+
+
 def dense(q, k, v, scale):
-    """The dense decode attention: new rows last, causal among themselves."""
+    """The dense decode attention byblock runs: new rows last, causal among themselves (kernels/gqa_sdpa.py)."""
+    from byblock.kernels.gqa_sdpa import gqa_sdpa_attention_forward
+
     lq, lk = q.shape[2], k.shape[2]
-    groups = q.shape[1] // k.shape[1]
-    mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask, scale=scale
-    )
+    mask = None if lq == 1 else torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)[None, None]
+    return gqa_sdpa_attention_forward(_Module(), q, k, v, mask, scaling=scale)[0]
+
+
+def end_to_end(args) -> list[dict]:
+    """Decode-step ms of the loaded model, dense and per K, at each prompt length (see the module docstring)."""
+    from byblock.attention.hf_stem import enable_stem
+    from byblock.attention.stem import StemConfig
+    from byblock.kernels.gqa_sdpa import NAME as DENSE
+    from byblock.models.loading import load_model
+
+    model = load_model(args.model)
+    confs = {id(c): c for c in (model.hf.config, model.hf.config.get_text_config())}.values()
+    out = []
+    for length in [int(x) for x in args.e2e_lengths.split(",")]:
+        ids = torch.randint(100, 20000, (1, length), generator=torch.Generator().manual_seed(length))
+        cache = model.new_cache()
+        model.forward(ids, cache, logits_to_keep=1)
+        times: dict[int, list[float]] = {}
+        for _ in range(3):
+            for k in [0, *[int(x) for x in args.blocks.split(",")]]:
+                if k:
+                    enable_stem(model.hf, StemConfig(prefill=False, decode_blocks=k, decode_window=args.window))
+                else:  # back to byblock's own decoder and kernel
+                    for conf in confs:
+                        conf.byblock_stem = None
+                    model.hf.set_attn_implementation(DENSE)
+                tok = torch.tensor([[42]])
+                model.forward(tok, cache, logits_to_keep=1)  # warm-up step
+                for _ in range(args.steps):
+                    t = time.perf_counter()
+                    model.forward(tok, cache, logits_to_keep=1)
+                    times.setdefault(k, []).append(time.perf_counter() - t)
+                cache.crop(length)
+        dense_ms = 1000 * sorted(times[0])[len(times[0]) // 2]
+        for k in times:
+            if k:
+                ms = 1000 * sorted(times[k])[len(times[k]) // 2]
+                out.append({"length": length, "blocks": k, "dense_ms": dense_ms, "sparse_ms": ms})
+                print(out[-1], file=sys.stderr, flush=True)
+    return out
 
 
 def measure(args) -> list[dict]:
@@ -85,6 +130,23 @@ def markdown(rows: list[dict], args) -> str:
     return "\n".join(out) + "\n"
 
 
+def e2e_markdown(rows: list[dict], args) -> str:
+    """The end-to-end table."""
+    out = [
+        f"End to end, `{args.model}` as loaded (default dtype and kernels), one decode step, median of "
+        f"{3 * args.steps} steps over 3 interleaved rounds, window {args.window}:",
+        "",
+        "| prompt tokens | K blocks | dense ms/step | sparse ms/step | decode speedup |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['length']} | {r['blocks']} | {r['dense_ms']:.1f} | {r['sparse_ms']:.1f} | "
+            f"{r['dense_ms'] / r['sparse_ms']:.2f}× |"
+        )
+    return "\n".join(out) + "\n"
+
+
 def main() -> int:
     """Measure, print the table, optionally write a RESULTS.md section."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -97,10 +159,15 @@ def main() -> int:
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", default=None, help="also time whole decode steps of this model")
+    p.add_argument("--e2e-lengths", default="2048,4096,8000")
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--update-results", default=None)
     p.add_argument("--section", default=None)
     args = p.parse_args()
-    table = markdown(measure(args), args)
+    table = markdown(measure(args), args) if args.lengths else ""
+    if args.model:
+        table += ("\n" if table else "") + e2e_markdown(end_to_end(args), args)
     print(table)
     if args.update_results:
         from byblock.bench.report import replace_section

@@ -44,6 +44,20 @@ def test_one_mask_row_broadcasts_over_the_batch(kernel):
     torch.testing.assert_close(kernel(q, k, v, visible, 0.125), kernel(q, k, v, visible.expand(2, 5, 40), 0.125))
 
 
+def test_a_key_set_per_kv_head_is_each_head_groups_own_mask(kernel):
+    """visible [B, Hkv, T, S] (sparse decode's per-KV-head choice): the query heads of KV head g read exactly
+    the keys of mask g, as if that mask were the only one."""
+    q, k, v = _qkv()  # 6 query heads over 2 KV heads
+    visible = torch.rand(2, 2, 5, 40, generator=torch.Generator().manual_seed(4)) > 0.5
+    visible[..., 0] = True  # every row sees a key
+    out = kernel(q, k, v, visible, 0.2)
+    for g in range(2):
+        alone = kernel(q, k, v, visible[:, g], 0.2)
+        assert torch.equal(out[:, :, 3 * g : 3 * g + 3], alone[:, :, 3 * g : 3 * g + 3]), g
+    with pytest.raises(ValueError, match="visible must be"):
+        kernel(q, k, v, visible.expand(2, 2, 5, 40).repeat(1, 2, 1, 1), 0.2)  # 4 mask heads for 2 KV heads
+
+
 def test_a_rows_bits_depend_only_on_its_visible_keys(kernel):
     q, k, v = _qkv(t=7, s=50)
     causal = kernel(q, k, v, None, 0.125)

@@ -26,39 +26,75 @@ def qkv(seed: int, lq: int, lk: int, h: int = 4, hkv: int = 2, d: int = 8):
     return q, torch.randn(1, hkv, lk, d, generator=g), torch.randn(1, hkv, lk, d, generator=g)
 
 
-def run(q, k, v, mask=None, blocks=K, window=W):
-    return sparse_decode_attention(q, k, v, mask, 0.35, BS, blocks, window, SINKS)[0]
+def run(q, k, v, mask=None, blocks=K, window=W, portable=False):
+    return sparse_decode_attention(q, k, v, mask, 0.35, BS, blocks, window, SINKS, portable=portable)[0]
 
 
 def brute_force(q, k, v, blocks=K, window=W):
-    """Causal rows (new rows last), each head's allowed keys chosen by explicit loops over the Quest bound."""
+    """Causal rows (new rows last), each KV head's allowed keys chosen by explicit loops over the Quest bound
+    summed over the query heads it serves."""
     _, h, lq, d = q.shape
-    lk, groups = k.shape[2], h // k.shape[1]
+    hkv = k.shape[1]
+    lk, groups = k.shape[2], h // hkv
     out = torch.zeros_like(q)
     for i in range(lq):
         p = lk - lq + i
         end = max(0, (p - window + 1) // BS)
-        for hh in range(h):
-            kk, vv, qq = k[0, hh // groups, : p + 1], v[0, hh // groups, : p + 1], q[0, hh, i]
+        for g in range(hkv):
+            kk, vv = k[0, g, : p + 1], v[0, g, : p + 1]
             allowed = torch.ones(p + 1, dtype=torch.bool)
             if end - SINKS > blocks:
                 bounds = []
                 for blk in range(SINKS, end):
                     tile = kk[blk * BS : (blk + 1) * BS]
-                    bounds.append(float(sum(max(qq[j] * tile[:, j].max(), qq[j] * tile[:, j].min()) for j in range(d))))
+                    bound = 0.0
+                    for hh in range(g * groups, (g + 1) * groups):
+                        qq = q[0, hh, i]
+                        bound += float(sum(max(qq[j] * tile[:, j].max(), qq[j] * tile[:, j].min()) for j in range(d)))
+                    bounds.append(bound)
                 best = sorted(range(len(bounds)), key=lambda j: -bounds[j])[:blocks]
                 allowed[SINKS * BS : end * BS] = False
                 for j in best:
                     allowed[(SINKS + j) * BS : (SINKS + j + 1) * BS] = True
-            w = torch.softmax((kk @ qq) * 0.35 + torch.where(allowed, 0.0, float("-inf")), 0)
-            out[0, hh, i] = w @ vv
+            for hh in range(g * groups, (g + 1) * groups):
+                w = torch.softmax((kk @ q[0, hh, i]) * 0.35 + torch.where(allowed, 0.0, float("-inf")), 0)
+                out[0, hh, i] = w @ vv
     return out
 
 
+@pytest.mark.parametrize("portable", [False, True])  # the CPU row kernel (where it builds), gather + SDPA
 @pytest.mark.parametrize("seed", range(3))
-def test_kernel_matches_brute_force(seed):
+def test_kernel_matches_brute_force(seed, portable):
     q, k, v = qkv(seed, lq=5, lk=90)
-    torch.testing.assert_close(run(q, k, v), brute_force(q, k, v), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(run(q, k, v, portable=portable), brute_force(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_kept_block_summaries_equal_recomputed_ones_across_crops_and_compactions():
+    """KeyBlockSummary (kv/block_summary.py) extends block by block and drops what a crop or a tree
+    compaction rewrote; its extremes always equal a fresh computation, and attention with it is bitwise
+    attention without it."""
+    from byblock.kv.block_summary import KeyBlockSummary, block_extremes
+
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(1, 2, 120, 8, generator=g)
+    summary = KeyBlockSummary(BS)
+    for n in (3, 7, 7, 12):  # grows, repeats, grows again
+        got = summary.extremes(keys, n)
+        want = block_extremes(keys, n, BS)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    summary.crop(50)  # blocks 0..5 survive
+    assert summary.valid == 50 // BS
+    keys[:, :, 50:] = torch.randn(1, 2, 70, 8, generator=g)  # new tokens where rejected ones were
+    assert torch.equal(summary.extremes(keys, 12)[0], block_extremes(keys, 12, BS)[0])
+    slots = torch.cat([torch.arange(30), torch.arange(31, 60)])  # a tree path dropped slot 30
+    summary.keep(slots)
+    assert summary.valid == 30 // BS
+    keys = torch.cat([keys[:, :, slots], torch.randn(1, 2, 61, 8, generator=g)], dim=2)
+    assert torch.equal(summary.extremes(keys, 11)[1], block_extremes(keys, 11, BS)[1])
+    q = torch.randn(1, 4, 3, 8, generator=g)
+    kv = torch.randn(1, 2, keys.shape[2], 8, generator=g)
+    with_summary = sparse_decode_attention(q, keys, kv, None, 0.35, BS, K, W, SINKS, summary)[0]
+    assert torch.equal(with_summary, run(q, keys, kv))
 
 
 def test_full_budget_is_dense_causal_attention():
@@ -70,17 +106,19 @@ def test_full_budget_is_dense_causal_attention():
     torch.testing.assert_close(run(q, k, v, blocks=100), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("seed", range(3))
-def test_each_verify_row_is_bitwise_its_decode_step(seed):
+def test_each_verify_row_is_bitwise_its_decode_step(seed, portable):
     """Row i of a 6-row forward over L + 6 keys == the same query alone over its first L + i + 1 keys."""
     q, k, v = qkv(seed, lq=6, lk=100)
-    together = run(q, k, v)
+    together = run(q, k, v, portable=portable)
     for i in range(6):
-        alone = run(q[:, :, i : i + 1], k[:, :, : 95 + i], v[:, :, : 95 + i])
+        alone = run(q[:, :, i : i + 1], k[:, :, : 95 + i], v[:, :, : 95 + i], portable=portable)
         assert torch.equal(together[:, :, i], alone[:, :, 0]), i
 
 
-def test_tree_rows_see_their_ancestors_as_plain_decoding_would():
+@pytest.mark.parametrize("portable", [False, True])
+def test_tree_rows_see_their_ancestors_as_plain_decoding_would(portable):
     """A tree verify (additive mask over committed keys + ancestors): each node's row equals the row decoded
     after its ancestors were committed in order."""
     past, parents = 90, [-1, 0, 0, 1, 2]  # node 0 is the root; 3 under 1, 4 under 2
@@ -96,10 +134,10 @@ def test_tree_rows_see_their_ancestors_as_plain_decoding_would():
         chains.append(chain[::-1])
         allowed[n, [past + a for a in chain]] = True
     additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
-    together = run(q, k, v, mask=additive)
+    together = run(q, k, v, mask=additive, portable=portable)
     for n, chain in enumerate(chains):
         slots = list(range(past)) + [past + a for a in chain]
-        alone = run(q[:, :, n : n + 1], k[:, :, slots], v[:, :, slots])
+        alone = run(q[:, :, n : n + 1], k[:, :, slots], v[:, :, slots], portable=portable)
         assert torch.equal(together[:, :, n], alone[:, :, 0]), n
 
 
@@ -114,15 +152,17 @@ def test_window_must_cover_the_rows_of_a_forward():
 PROMPT = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 4
 
 
-def sparse_target():
-    model = make_target()
+def sparse_target(packed: bool = False):
+    """packed: load_model's fp32 setup (packed GEMM, byblock's attention), where byblock's decoder forward runs."""
+    model = make_target(packed=packed)
     cfg = StemConfig(block_size=BS, dense_layers=0, prefill=False, decode_blocks=2, decode_window=16)
     return model, enable_stem(model.hf, cfg)
 
 
+@pytest.mark.parametrize("packed", [False, True])  # transformers' modules; byblock's decoder on the packed GEMM
 @pytest.mark.parametrize("kind", ["ngram", "dflash", "ddtree"])
-def test_speculative_decoding_is_lossless_under_sparse_decode(kind):
-    model, density = sparse_target()
+def test_speculative_decoding_is_lossless_under_sparse_decode(kind, packed):
+    model, density = sparse_target(packed)
     params = SamplingParams(max_new_tokens=40)
     plain = generate(model, PROMPT, params, chat=False)
     assert density.decode and max(density.decode.values()) < 0.8  # decode rows really skipped keys
@@ -193,3 +233,34 @@ def test_prompt_chunks_attend_densely_under_sparse_decode():
     batch = BatchConfig(max_batched_tokens=64, chunked_prefill=True)
     out = generate(model, [PROMPT, PROMPT + " again"], params, chat=False, batch=batch)
     assert [r.num_new_tokens for r in out] == [8, 8] and all(r.finish_reason.value == "length" for r in out)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_a_left_padded_row_is_its_unpadded_row(portable):
+    """Padding shifts slots but not ranks: a row behind 13 pad slots chooses and reads what it would unpadded."""
+    q, k, v = qkv(13, lq=3, lk=90)
+    pad = 13
+    kp, vp = (torch.cat([torch.randn(1, 2, pad, 8), t], dim=2) for t in (k, v))
+    mask = torch.ones(3, 90 + pad, dtype=torch.bool).tril(diagonal=87 + pad)
+    mask[:, :pad] = False
+    padded = run(q, kp, vp, mask=mask[None, None], portable=portable)
+    torch.testing.assert_close(padded, run(q, k, v, portable=portable), rtol=1e-6, atol=1e-6)
+
+
+def test_sparse_decode_runs_in_byblocks_decoder_and_keeps_block_summaries():
+    """With --sparse-decode alone the model keeps byblock's decoder forward (models/decoder.py); its decode steps
+    equal the transformers path's, and the cache keeps each layer's block extremes between forwards."""
+    model, _ = sparse_target(packed=True)
+    assert model._decoder_runs
+    reference, _ = sparse_target(packed=True)
+    reference.decoder = None  # transformers' modules through stem_attention_forward
+    ids = torch.randint(5, 200, (1, 70), generator=torch.Generator().manual_seed(3))
+    caches = [model.new_cache(), reference.new_cache()]
+    outs = [[m.forward(ids, c, logits_to_keep=1).logits] for m, c in zip((model, reference), caches)]
+    for step in range(4):
+        tok = torch.tensor([[7 + step]])
+        for m, c, o in zip((model, reference), caches, outs):
+            o.append(m.forward(tok, c, logits_to_keep=1).logits)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert caches[0].key_summaries and all(s.valid == 73 // BS for s in caches[0].key_summaries.values())

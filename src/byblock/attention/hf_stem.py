@@ -26,7 +26,7 @@ from byblock.attention.stem import (
     select_blocks,
     tpd_budgets,
 )
-from byblock.kernels.ragged import BATCH_KWARG, PROMPT_KWARG
+from byblock.kernels.ragged import BATCH_KWARG, CACHE_KWARG, PROMPT_KWARG
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +44,16 @@ def stem_attention_forward(module, query, key, value, attention_mask, scaling=No
     """transformers attention signature: query [B, H, Lq, D], key/value [B, Hkv, Lk, D] -> ([B, Lq, H, D], None)."""
     if (batch := kwargs.pop(BATCH_KWARG, None)) is not None:  # a packed batch: per sequence, its own cache
         return batch.attend(stem_attention_forward, module, query, key, value, scaling=scaling, **kwargs)
+    cache = kwargs.pop(CACHE_KWARG, None)  # the rows' KVCache: it keeps sparse decode's block summaries
     cfg: StemConfig | None = getattr(module.config, "byblock_stem", None)
     density: DensityLog | None = getattr(module.config, "byblock_stem_log", None)
     _, h, lq, d = query.shape
     lk = key.shape[2]
     layer = getattr(module, "layer_idx", 0)
     window = getattr(module, "sliding_window", None)
-    # Sparse decode covers decoded and verified rows; prompt chunks (chunked prefill, a cached continuation)
-    # attend densely, so a chunked prompt stays bitwise one prefill (kernels/ragged.py PROMPT_KWARG).
-    decode = lq < lk and not kwargs.get(PROMPT_KWARG, False)
-    if cfg is not None and cfg.decode_blocks and decode and layer >= cfg.dense_layers and window is None:
-        scale = scaling if scaling is not None else d**-0.5
-        mask = attention_mask if attention_mask is None or attention_mask.dim() == 4 else None
-        out, frac = sparse_decode_attention(
-            query, key, value, mask, scale, cfg.block_size, cfg.decode_blocks, cfg.decode_window, cfg.sink_blocks
-        )
-        if density is not None:
-            density.decode[layer] = frac
-        return out.transpose(1, 2).contiguous(), None
+    decoded = _sparse_decode_rows(module, query, key, value, attention_mask, scaling, cache, kwargs)
+    if decoded is not None:
+        return decoded, None
     sparse = (
         cfg is not None
         and cfg.prefill
@@ -121,6 +113,44 @@ def stem_attention_forward(module, query, key, value, attention_mask, scaling=No
         )
         out = torch.cat([out, tail], dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sparse_decode_rows(module, query, key, value, attention_mask, scaling, cache, kwargs) -> torch.Tensor | None:
+    """[B, Lq, H, D] when `--sparse-decode` covers these rows (decoded or verified rows of a global-attention
+    layer from `dense_layers` on), else None. Prompt chunks (chunked prefill, a cached continuation) attend
+    densely, so a chunked prompt stays bitwise one prefill (kernels/ragged.py PROMPT_KWARG)."""
+    cfg: StemConfig | None = getattr(module.config, "byblock_stem", None)
+    layer = getattr(module, "layer_idx", 0)
+    decode = query.shape[2] < key.shape[2] and not kwargs.get(PROMPT_KWARG, False)
+    if cfg is None or not cfg.decode_blocks or not decode or layer < cfg.dense_layers:
+        return None
+    if getattr(module, "sliding_window", None) is not None:
+        return None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    mask = attention_mask if attention_mask is None or attention_mask.dim() == 4 else None
+    summary = cache.key_summary(layer, cfg.block_size) if cache is not None else None
+    out, frac = sparse_decode_attention(
+        query, key, value, mask, scale, cfg.block_size, cfg.decode_blocks, cfg.decode_window, cfg.sink_blocks, summary
+    )
+    density: DensityLog | None = getattr(module.config, "byblock_stem_log", None)
+    if density is not None:
+        density.decode[layer] = frac
+    return out.transpose(1, 2).contiguous()
+
+
+def sparse_decode_forward(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Sparse decode inside byblock's own decoder forward (models/adapter.py): decode and verify rows as in
+    `stem_attention_forward`, every other row through byblock's dense kernel (kernels/gqa_sdpa.py), so a model
+    with `--sparse-decode` and no sparse prefill keeps the decoder's speed and its prompts' bits."""
+    from byblock.kernels.gqa_sdpa import gqa_sdpa_attention_forward
+
+    if (batch := kwargs.pop(BATCH_KWARG, None)) is not None:
+        return batch.attend(sparse_decode_forward, module, query, key, value, scaling=scaling, **kwargs)
+    cache = kwargs.pop(CACHE_KWARG, None)
+    decoded = _sparse_decode_rows(module, query, key, value, attention_mask, scaling, cache, kwargs)
+    if decoded is not None:
+        return decoded, None
+    return gqa_sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
 def _block_mask(q, k, v, cfg: StemConfig, scale: float, layer: int, density: DensityLog | None) -> torch.Tensor:

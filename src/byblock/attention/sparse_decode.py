@@ -5,7 +5,9 @@ Each new row (a decoded token, or one row of a speculative verify, chain or tree
   * its recent keys densely: every visible key from block e = ⌊(p − W + 1) / b⌋ on, p its position, W the
     decode window (so at least the W most recent positions, itself included),
   * the K key blocks in [sinks, e) with the highest Quest bound Σ_d max(q_d·max_k k_d, q_d·min_k k_d) (the
-    elementwise extremes of each block's keys: an upper bound of q·k over the block).
+    elementwise extremes of each block's keys: an upper bound of q·k over the block), summed over the query
+    heads of one KV head: the blocks are chosen per KV head, so a GQA group reads one gathered copy of its
+    keys instead of one per query head (3× fewer bytes copied on SmolLM2's 9/3 heads).
 
 Why this is lossless under speculative decoding *with respect to the sparse model*: the selectable blocks end
 before p − W + 1, and W is at least the number of rows in the forward, so they only hold committed keys: a row
@@ -13,7 +15,13 @@ at position p sees the same candidate blocks, the same scores and the same recen
 alone or verified beside 31 drafted rows. Each row is computed on its own (its gathered keys, one query), so its
 arithmetic does not depend on its neighbours either. Keys are ranked by their order among the row's visible
 keys (the attention mask), so a tree row's ancestors stand where plain decoding would have put those tokens.
-Block extremes are exact (max/min), computed once per forward over the contiguous committed prefix.
+Block extremes are exact (max/min) and kept beside the cache, so a block is summarised once, when it fills
+(kv/block_summary.py); without a cache at hand they are computed once per forward.
+
+Two backends, chosen by capability: on a CPU in fp32 the row-local kernel (kernels/row_attention.py) takes
+each row's chosen keys as a per-KV-head key set and reads them in place, in slot order; elsewhere (CUDA, bf16,
+no compiler) the portable path gathers each row's keys into one buffer and runs SDPA on it. Both compute the
+same attention (tested against each other and a brute-force reference).
 
 The prefill of a prompt is not touched (Stem's prefill, or dense). Reference: Quest (Tang et al. 2024) for
 the block bound; ../shared/reference/sparse_attention.md for the seed's framing.
@@ -22,6 +30,8 @@ the block bound; ../shared/reference/sparse_attention.md for the seed's framing.
 from __future__ import annotations
 
 import torch
+
+from byblock.kv.block_summary import KeyBlockSummary, block_extremes
 
 
 def visible_keys(attention_mask: torch.Tensor | None, batch: int, row: int, lq: int, lk: int) -> torch.Tensor:
@@ -35,19 +45,64 @@ def visible_keys(attention_mask: torch.Tensor | None, batch: int, row: int, lq: 
     return m.nonzero()[:, 0]
 
 
-def block_extremes(keys: torch.Tensor, blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys [Hkv, ≥ blocks·b, D] -> (max, min) over each block's keys, [Hkv, blocks, D] each (exact)."""
-    hkv, _, d = keys.shape
-    tiles = keys[:, : blocks * block_size].reshape(hkv, blocks, block_size, d)
-    return tiles.amax(2), tiles.amin(2)
-
-
 def select_blocks_for_row(
     q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, first: int, count: int
 ) -> torch.Tensor:
-    """q [H, D]; kmax/kmin [H, n, D] over candidate blocks first..first+n-1 -> [H, count] block ids, ascending."""
-    bound = torch.maximum(q[:, None, :] * kmax, q[:, None, :] * kmin).sum(-1)  # [H, n]
+    """q [H, D]; kmax/kmin [Hkv, n, D] over candidate blocks first..first+n-1 -> [Hkv, count] block ids,
+    ascending: per KV head, the blocks with the highest Quest bound summed over the query heads it serves."""
+    hkv, _, d = kmax.shape
+    qg = q.reshape(hkv, -1, 1, d)  # [Hkv, G, 1, D]
+    bound = torch.maximum(qg * kmax[:, None], qg * kmin[:, None]).sum(-1).sum(1)  # [Hkv, n]
     return bound.topk(count, dim=-1).indices.sort(dim=-1).values + first
+
+
+def _gather_blocks(
+    t: torch.Tensor, sinks: int, end: int, bs: int, top: torch.Tensor, recent: torch.Tensor | slice
+) -> torch.Tensor:
+    """t [Hkv, L, D] -> [Hkv, n, D]: the first `sinks` keys, the blocks `top` [Hkv, K] (ascending, < end) and
+    the `recent` keys, in that order, copied once into one buffer (whole blocks by index_select: a per-key
+    gather or a cat costs two to three times as much on a CPU)."""
+    hkv, _, d = t.shape
+    k = top.shape[1]
+    n_recent = recent.stop - recent.start if isinstance(recent, slice) else recent.numel()
+    out = torch.empty(hkv, sinks + k * bs + n_recent, d, dtype=t.dtype, device=t.device)
+    out[:, :sinks] = t[:, :sinks]
+    tiles = t[:, : end * bs].reshape(hkv, end, bs, d)
+    for g in range(hkv):
+        torch.index_select(tiles[g], 0, top[g], out=out[g, sinks : sinks + k * bs].view(k, bs, d))
+    out[:, sinks + k * bs :] = t[:, recent]
+    return out
+
+
+class _Rows:
+    """The block choice of every row of one forward: for row (b, i), its visible keys, its candidate end e and
+    its chosen blocks [Hkv, K] (None: the row sees all its keys)."""
+
+    def __init__(self, query, key, attention_mask, summary, block_size, blocks, window, sink_blocks) -> None:
+        self.query, self.key, self.mask = query, key, attention_mask
+        self.summary, self.bs, self.blocks, self.window, self.sinks = summary, block_size, blocks, window, sink_blocks
+        self.shared: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, Hkv, n, D] over the committed prefix
+
+    def choose(self, bi: int, i: int) -> tuple[torch.Tensor, int, torch.Tensor | None, bool]:
+        """-> (visible key slots, e, chosen blocks [Hkv, K] or None, whether the first e·b keys are slots 0..)."""
+        lq, lk, bs = self.query.shape[2], self.key.shape[2], self.bs
+        vis = visible_keys(self.mask, bi, i, lq, lk)
+        p = vis.numel() - 1  # the row's position: its rank among its visible keys
+        end = max(0, (p - self.window + 1) // bs)  # candidate blocks: [sinks, end)
+        if end - self.sinks <= self.blocks:  # nothing to skip: every visible key
+            return vis, end, None, True
+        prefix = bool(vis[end * bs - 1] == end * bs - 1)
+        if prefix:  # end·b <= p − W + 1 <= Lk − Lq: only committed slots are summarised
+            if self.shared is None:
+                n = (lk - lq) // bs
+                self.shared = (
+                    self.summary.extremes(self.key, n) if self.summary is not None else block_extremes(self.key, n, bs)
+                )
+            kmax, kmin = self.shared[0][bi, :, self.sinks : end], self.shared[1][bi, :, self.sinks : end]
+        else:  # padding or a compacted cache: the row's own keys, in its order
+            kmax, kmin = block_extremes(self.key[bi][:, vis[: end * bs]], end, bs)
+            kmax, kmin = kmax[:, self.sinks :], kmin[:, self.sinks :]
+        return vis, end, select_blocks_for_row(self.query[bi, :, i], kmax, kmin, self.sinks, self.blocks), prefix
 
 
 def sparse_decode_attention(
@@ -60,53 +115,95 @@ def sparse_decode_attention(
     blocks: int,
     window: int,
     sink_blocks: int,
+    summary: KeyBlockSummary | None = None,
+    portable: bool = False,
 ) -> tuple[torch.Tensor, float]:
     """query [B, H, Lq, D] (new rows), key/value [B, Hkv, Lk, D] (the cache, new rows last) -> ([B, H, Lq, D],
-    fraction of the visible keys attended to). `blocks` selected blocks per row and head; `window` ≥ Lq."""
-    b, h, lq, _ = query.shape
-    hkv, lk = key.shape[1], key.shape[2]
+    fraction of the visible keys attended to). `blocks` selected blocks per row and KV head; `window` ≥ Lq.
+    summary: this layer's kept block extremes (the cache's), or None to compute them here. portable: use the
+    gather + SDPA path even where the CPU kernel runs (for tests and comparisons)."""
+    lq = query.shape[2]
     if lq > window:
         from byblock.errors import InvalidParameterError
 
         raise InvalidParameterError(
             f"--sparse-decode-window {window} is smaller than the {lq} rows of one forward (raise it)"
         )
-    bs = block_size
-    kv_head = torch.arange(h, device=query.device) // (h // hkv)
+    rows = _Rows(query, key, attention_mask, summary, block_size, blocks, window, sink_blocks)
+    kernel = None
+    if not portable and query.dtype == torch.float32 and query.is_cpu:
+        from byblock.kernels.row_attention import load_row_attention
+
+        kernel = load_row_attention()
+    if kernel is not None:
+        return _attend_in_place(kernel, rows, value, scale)
+    return _attend_gathered(rows, value, scale)
+
+
+def _attend_in_place(kernel, rows: _Rows, value: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """The CPU kernel over per-KV-head key sets [B, Hkv, Lq, Lk]: chosen keys are read where they lie."""
+    query, key, bs, sinks = rows.query, rows.key, rows.bs, rows.sinks
+    b, _, lq, _ = query.shape
+    hkv, lk = key.shape[1], key.shape[2]
+    keysets = torch.zeros(b, hkv, lq, lk, dtype=torch.uint8, device=query.device)
+    kept = seen = 0
+    for bi in range(b):
+        for i in range(lq):
+            vis, end, top, _ = rows.choose(bi, i)
+            p = vis.numel() - 1
+            seen += p + 1
+            if top is None:
+                keysets[bi, :, i, vis] = 1
+                kept += p + 1
+                continue
+            chosen = torch.zeros(hkv, p + 1, dtype=torch.uint8, device=query.device)  # by rank among visible keys
+            chosen[:, : sinks * bs] = 1
+            chosen[:, end * bs :] = 1
+            chosen[:, : end * bs].view(hkv, end, bs)[torch.arange(hkv, device=query.device)[:, None], top] = 1
+            keysets[bi, :, i, vis] = chosen
+            kept += (sinks + top.shape[1]) * bs + p + 1 - end * bs
+    out = kernel(query, key, value, keysets, scale)  # [B, Lq, H, D]
+    return out.transpose(1, 2), kept / max(seen, 1)
+
+
+def _attend_gathered(rows: _Rows, value: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """The portable path: per row, its chosen keys gathered into one buffer, one SDPA per KV head."""
+    query, key, bs, sinks = rows.query, rows.key, rows.bs, rows.sinks
+    b, h, lq, d = query.shape
+    hkv = key.shape[1]
+    dev = query.device
+    heads = torch.arange(hkv, device=dev)[:, None]
     out = torch.empty_like(query)
     kept = seen = 0
     for bi in range(b):
-        shared: tuple[torch.Tensor, torch.Tensor] | None = None  # extremes over the contiguous cache prefix
+        kb, vb = key[bi], value[bi]
         for i in range(lq):
-            vis = visible_keys(attention_mask, bi, i, lq, lk)
-            p = vis.numel() - 1  # the row's position: its rank among its visible keys
-            end = max(0, (p - window + 1) // bs)  # candidate blocks: [sink_blocks, end)
-            if end - sink_blocks > blocks:
-                if bool(vis[end * bs - 1] == end * bs - 1):  # the row's first end·b keys are cache slots 0..
-                    if shared is None:  # end·b <= p − W + 1 <= Lk − Lq: only committed slots are summarised
-                        shared = block_extremes(key[bi], (lk - lq) // bs, bs)
-                    kmax, kmin = shared[0][:, :end], shared[1][:, :end]
-                else:  # padding or a compacted cache: the row's own keys, in its order
-                    kmax, kmin = block_extremes(key[bi][:, vis[: end * bs]], end, bs)
-                top = select_blocks_for_row(
-                    query[bi, :, i], kmax[kv_head, sink_blocks:], kmin[kv_head, sink_blocks:], sink_blocks, blocks
-                )
-                offs = torch.arange(bs, device=query.device)
+            vis, end, top, prefix = rows.choose(bi, i)
+            p = vis.numel() - 1
+            if top is None:
+                kg, vg = kb[:, vis], vb[:, vis]
+            elif prefix:
+                recent = vis[end * bs :]
+                if int(recent[-1] - recent[0]) == recent.numel() - 1:  # a chain row: its recent keys are a slice
+                    recent = slice(end * bs, end * bs + recent.numel())
+                kg, vg = (_gather_blocks(t, sinks * bs, end, bs, top, recent) for t in (kb, vb))
+            else:
+                offs = torch.arange(bs, device=dev)
                 ranks = torch.cat(
                     [
-                        torch.arange(sink_blocks * bs, device=query.device).expand(h, -1),
+                        torch.arange(sinks * bs, device=dev).expand(hkv, -1),
                         (top[:, :, None] * bs + offs).flatten(1),
-                        torch.arange(end * bs, p + 1, device=query.device).expand(h, -1),
+                        torch.arange(end * bs, p + 1, device=dev).expand(hkv, -1),
                     ],
                     dim=1,
                 )
-                idx = vis[ranks]  # [H, n]
-            else:
-                idx = vis.expand(h, -1)
-            kept += idx.shape[1]
+                idx = vis[ranks]  # [Hkv, n]
+                kg, vg = kb[heads, idx], vb[heads, idx]
+            kept += kg.shape[1]
             seen += p + 1
-            kg = key[bi][kv_head[:, None], idx]  # [H, n, D]
-            vg = value[bi][kv_head[:, None], idx]
-            row = torch.nn.functional.scaled_dot_product_attention(query[bi, :, i, None], kg, vg, scale=scale)
-            out[bi, :, i] = row[:, 0]
+            # one SDPA per KV head over the query heads it serves (GQA without repeating keys)
+            q = query[bi, :, i].reshape(1, hkv, h // hkv, d)
+            out[bi, :, i] = torch.nn.functional.scaled_dot_product_attention(
+                q, kg[None], vg[None], scale=scale
+            ).reshape(h, d)
     return out, kept / max(seen, 1)

@@ -28,6 +28,9 @@ BATCH_KWARG = "byblock_batch"  # the forward kwarg that carries a PackedBatch to
 # The attention kwarg that marks rows as a prompt's (a prefill or a prefill chunk): they keep the aligned SDPA
 # tiles, so a chunked prompt stays bitwise its one-forward prefill (kernels/gqa_sdpa.py).
 PROMPT_KWARG = "byblock_prompt"
+# The attention kwarg that hands the rows' KVCache to attention functions that keep state beside it (sparse
+# decode's block summaries, kv/block_summary.py); passed only to those, so the others never see it.
+CACHE_KWARG = "byblock_cache"
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class PackedBatch:
     """The segments of one packed forward, in row order."""
 
     segments: tuple[Segment, ...]
+    with_cache: bool = False  # pass each segment's cache to `inner` (CACHE_KWARG)
 
     def attend(
         self,
@@ -76,6 +80,8 @@ class PackedBatch:
             if state is not None:
                 state.plan = seg.row_plan
             extra = {PROMPT_KWARG: True} if seg.prompt else {}
+            if self.with_cache:
+                extra[CACHE_KWARG] = seg.cache
             out, _ = inner(module, query[:, :, rows], k, v, seg.masks.get(kind), **kwargs, **extra)
             outs.append(out)
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0], None

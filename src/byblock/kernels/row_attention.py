@@ -28,7 +28,7 @@ class RowAttention:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.byblock_row_attention
         vp, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [vp, *[i64] * 7, vp, vp, *[i64] * 8, vp, i64, ctypes.c_float, vp, ctypes.c_int]
+        self._fn.argtypes = [vp, *[i64] * 7, vp, vp, *[i64] * 8, vp, i64, i64, ctypes.c_float, vp, ctypes.c_int]
         self._fn.restype = None
 
     def __call__(
@@ -40,7 +40,8 @@ class RowAttention:
         scale: float,
     ) -> torch.Tensor:
         """query [B, H, T, D], key / value [B, Hkv, S, D] fp32 on the CPU (last dim contiguous), visible None
-        (causal: row t sees keys 0 .. S - T + t) or bool / uint8 [B|1, T, S] -> [B, T, H, D] contiguous."""
+        (causal: row t sees keys 0 .. S - T + t), bool / uint8 [B|1, T, S], or [B|1, Hkv, T, S] (a key set per
+        KV head, shared by the query heads it serves) -> [B, T, H, D] contiguous."""
         b, h, t, d = query.shape
         hkv, s = key.shape[1], key.shape[2]
         if h % hkv:
@@ -49,8 +50,12 @@ class RowAttention:
             raise ValueError("causal rows need at least as many keys as queries")
         query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
         mask = None if visible is None else visible.to(torch.uint8).contiguous()
-        if mask is not None and (mask.dim() != 3 or mask.shape[1:] != (t, s) or mask.shape[0] not in (1, b)):
-            raise ValueError(f"visible must be [1|{b}, {t}, {s}], got {list(mask.shape)}")
+        if mask is not None and mask.dim() == 3:
+            mask = mask[:, None]
+        if mask is not None and (
+            mask.dim() != 4 or mask.shape[2:] != (t, s) or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, hkv)
+        ):
+            raise ValueError(f"visible must be [1|{b}, {t}, {s}] or [1|{b}, 1|{hkv}, {t}, {s}], got {list(mask.shape)}")
         out = torch.empty(b, t, h, d, dtype=torch.float32, device=query.device)  # never the default device
         if out.numel():
             self._fn(
@@ -58,6 +63,7 @@ class RowAttention:
                 key.data_ptr(), value.data_ptr(), hkv, s, key.stride(0), key.stride(1), key.stride(2),
                 value.stride(0), value.stride(1), value.stride(2),
                 None if mask is None else mask.data_ptr(), 1 if mask is None else mask.shape[0],
+                1 if mask is None else mask.shape[1],
                 float(scale), out.data_ptr(), torch.get_num_threads(),
             )  # fmt: skip
         return out

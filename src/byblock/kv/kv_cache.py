@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from byblock.kv.block_summary import KeyBlockSummary
 from byblock.kv.h2o import H2OState
 from byblock.kv.kv_buffer import BufferedLayer
 
@@ -49,6 +50,7 @@ class KVCache:
         self.window = window
         self.h2o = per_head
         self.pos = torch.empty(0, dtype=torch.long, device=device)  # [length] absolute position of each slot
+        self.key_summaries: dict[int, KeyBlockSummary] = {}  # per layer, for --sparse-decode (kv/block_summary.py)
         if kv_bits is not None:
             from functools import partial
 
@@ -81,6 +83,13 @@ class KVCache:
         """Note the positions [T] of the slots the last forward appended."""
         self.pos = torch.cat([self.pos, positions.to(torch.long)])
 
+    def key_summary(self, layer: int, block_size: int) -> KeyBlockSummary:
+        """The per-block key extremes of `layer`, kept current across forwards (attention/sparse_decode.py)."""
+        summary = self.key_summaries.get(layer)
+        if summary is None or summary.block_size != block_size:
+            summary = self.key_summaries[layer] = KeyBlockSummary(block_size)
+        return summary
+
     def evict(self) -> None:
         """Drop every slot the next query can no longer see: StreamingLLM's window, or H2O's choice after the
         last forward's final token (a no-op without either, or when a commit already did it)."""
@@ -108,6 +117,7 @@ class KVCache:
             st.scores[i], st.pos[i] = kept.scores, kept.pos
         # per-head positions differ; every head keeps its newest slots, so the last one is the same for all
         self.pos = st.pos[0][0]
+        self.key_summaries.clear()
         st.pending.clear()
 
     def crop(self, length: int) -> None:
@@ -115,6 +125,8 @@ class KVCache:
         if self.h2o is not None:
             raise ValueError("an H2O cache is committed node by node, never cropped")
         self.pos = self.pos[:length]
+        for summary in self.key_summaries.values():
+            summary.crop(length)
         for layer in self.hf.layers:
             if not layer.is_initialized:
                 continue
@@ -129,6 +141,8 @@ class KVCache:
         if self.h2o is not None:
             raise ValueError("an H2O cache is committed node by node, never compacted by slots")
         self.pos = self.pos[slots]
+        for summary in self.key_summaries.values():
+            summary.keep(slots)
         for layer in self.hf.layers:
             if not layer.is_initialized:
                 continue

@@ -110,6 +110,7 @@ def apply_selection(cache, state: SnapKVState) -> None:
         layer.values = layer.values.gather(2, idx)
     kept = next(iter(state.selections.values())).shape[-1]
     cache.pos = cache.pos[-kept:]  # slot positions are per head now; only the last (the window) is exact
+    cache.key_summaries.clear()  # every slot moved
     state.selections.clear()
 
 

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
+from byblock.attention.hf_stem import NAME as STEM
+from byblock.attention.hf_stem import sparse_decode_forward
 from byblock.kernels.gqa_sdpa import NAME as GQA_SDPA
 from byblock.kernels.gqa_sdpa import gqa_sdpa_attention_forward
 from byblock.kernels.invariant import NAME as INVARIANT_ATTENTION
 from byblock.kernels.invariant import ROW_CHUNK, RowPlan
-from byblock.kernels.ragged import BATCH_KWARG, PROMPT_KWARG, PackedBatch, Segment
+from byblock.kernels.ragged import BATCH_KWARG, CACHE_KWARG, PROMPT_KWARG, PackedBatch, Segment
 from byblock.kv.h2o import H2OState, tree_parents
 from byblock.kv.kv_cache import KVCache, StreamingWindow
 from byblock.models.decoder import DecoderForward
@@ -128,7 +130,27 @@ class TargetModel:
     def _decoder_runs(self) -> bool:
         """Whether byblock's decoder forward can run now: it exists and attention is still byblock's kernel (Stem
         and the bf16 row-invariant attention swap transformers' attention function)."""
-        return self.decoder is not None and self.hf.config._attn_implementation == GQA_SDPA
+        if self.decoder is None:
+            return False
+        impl = self.hf.config._attn_implementation
+        return impl == GQA_SDPA or (impl == STEM and self._sparse_decode_only)
+
+    @property
+    def _sparse_decode_only(self) -> bool:
+        """Stem switched on for `--sparse-decode` alone (no sparse prefill): the decoder forward runs it."""
+        stem = getattr(self.hf.config, "byblock_stem", None)
+        return stem is not None and stem.decode_blocks > 0 and not stem.prefill
+
+    @property
+    def _decoder_attention(self):
+        """The attention function byblock's decoder forward calls (dense, or sparse decode beside dense)."""
+        return sparse_decode_forward if self._sparse_decode_only else gqa_sdpa_attention_forward
+
+    @property
+    def _hands_cache_to_attention(self) -> bool:
+        """Whether attention gets the rows' KVCache: sparse decode keeps its block summaries there."""
+        stem = getattr(self.hf.config, "byblock_stem", None)
+        return stem is not None and stem.decode_blocks > 0
 
     def _own_forward_applies(self, cache: KVCache) -> bool:
         """Whether byblock's decoder forward computes this cache's forward exactly (no KV policy that hooks
@@ -159,11 +181,14 @@ class TargetModel:
         else:
             mask = self._segment_masks(cache, positions[0], tree_mask)["full_attention"]
         cache.record(positions[0])
-        extra = {PROMPT_KWARG: True} if prompt else {}
+        extra: dict = {PROMPT_KWARG: True} if prompt else {}
+        if self._hands_cache_to_attention:
+            extra[CACHE_KWARG] = cache
+        fn = self._decoder_attention
 
         def attend(module, q, k, v):
             k, v = cache.append(module.layer_idx, k, v)
-            return gqa_sdpa_attention_forward(module, q, k, v, mask, scaling=module.scaling, **extra)[0]
+            return fn(module, q, k, v, mask, scaling=module.scaling, **extra)[0]
 
         assert self.decoder is not None
         final, layers = self.decoder(input_ids, positions, attend, hidden_layers)
@@ -327,6 +352,8 @@ class TargetModel:
         kwargs = {"input_ids": input_ids, "cache": cache.hf, "position_ids": positions, "attention_mask": mask}
         if prompt:
             kwargs[PROMPT_KWARG] = True
+        if self._hands_cache_to_attention:
+            kwargs[CACHE_KWARG] = cache
         defer = defer_logits and self._defers_logits is True
         check = defer_logits and self._defers_logits is None
         if defer:  # the decoder stack alone; the caller applies `head` to the rows it reads
@@ -440,12 +467,13 @@ class TargetModel:
         # A prepared 4D mask makes transformers skip building one over the packed rows (attention ignores it).
         skip = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev)
         keep = torch.tensor(logits_rows, dtype=torch.long, device=dev)
-        batch = PackedBatch(tuple(plan))
+        batch = PackedBatch(tuple(plan), with_cache=self._hands_cache_to_attention)
         offsets = tuple(s.start for s in plan)
         if self._decoder_runs:
+            fn = self._decoder_attention
 
             def attend(module, q, k, v):
-                return batch.attend(gqa_sdpa_attention_forward, module, q, k, v, scaling=module.scaling)[0]
+                return batch.attend(fn, module, q, k, v, scaling=module.scaling)[0]
 
             final, layers = self.decoder(ids, positions, attend, hidden_layers)
             hidden = torch.cat([layers[i][0] for i in hidden_layers], dim=-1) if hidden_layers else None

@@ -71,12 +71,13 @@ constexpr int CHUNK = 32;  // output elements accumulated in registers per pass 
 extern "C" {
 
 // q: [B, H, T, D] at strides (qb, qh, qt), unit stride over D; k, v: [B, Hkv, S, D] at strides (kb, kh, ks) and
-// (vb, vh, vs); visible: null (causal: row t sees keys 0 .. S - T + t) or uint8 [Bm, T, S] contiguous, Bm = 1 or B
-// (nonzero: visible); out: [B, T, H, D] contiguous. H must be a multiple of Hkv (grouped-query heads).
+// (vb, vh, vs); visible: null (causal: row t sees keys 0 .. S - T + t) or uint8 [Bm, Hm, T, S] contiguous, Bm = 1
+// or B, Hm = 1 or Hkv (per-KV-head key sets: sparse decode) (nonzero: visible); out: [B, T, H, D] contiguous. H
+// must be a multiple of Hkv (grouped-query heads).
 void byblock_row_attention(const float* q, int64_t B, int64_t H, int64_t T, int64_t D, int64_t qb, int64_t qh,
                            int64_t qt, const float* k, const float* v, int64_t Hkv, int64_t S, int64_t kb,
                            int64_t kh, int64_t ks, int64_t vb, int64_t vh, int64_t vs, const uint8_t* visible,
-                           int64_t mask_batches, float scale, float* out, int threads) {
+                           int64_t mask_batches, int64_t mask_heads, float scale, float* out, int threads) {
   const int64_t group = H / Hkv;
   const int64_t items = B * H * T;
 #pragma omp parallel num_threads(threads)
@@ -95,7 +96,8 @@ void byblock_row_attention(const float* q, int64_t B, int64_t H, int64_t T, int6
         n = S - T + t + 1;
         for (int64_t j = 0; j < n; ++j) idx[j] = j;
       } else {
-        const uint8_t* row = visible + ((mask_batches == 1 ? 0 : b) * T + t) * S;
+        const int64_t mb = mask_batches == 1 ? 0 : b, mh = mask_heads == 1 ? 0 : h / group;
+        const uint8_t* row = visible + ((mb * mask_heads + mh) * T + t) * S;
         for (int64_t j = 0; j < S; ++j)
           if (row[j]) idx[n++] = j;
       }
