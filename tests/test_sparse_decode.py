@@ -256,11 +256,11 @@ def test_sparse_decode_runs_in_byblocks_decoder_and_keeps_block_summaries():
     reference.decoder = None  # transformers' modules through stem_attention_forward
     ids = torch.randint(5, 200, (1, 70), generator=torch.Generator().manual_seed(3))
     caches = [model.new_cache(), reference.new_cache()]
-    outs = [[m.forward(ids, c, logits_to_keep=1).logits] for m, c in zip((model, reference), caches)]
+    outs = [[m.forward(ids, c, logits_to_keep=1).logits] for m, c in zip((model, reference), caches, strict=True)]
     for step in range(4):
         tok = torch.tensor([[7 + step]])
-        for m, c, o in zip((model, reference), caches, outs):
+        for m, c, o in zip((model, reference), caches, outs, strict=True):
             o.append(m.forward(tok, c, logits_to_keep=1).logits)
-    for a, b in zip(*outs):
+    for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert caches[0].key_summaries and all(s.valid == 73 // BS for s in caches[0].key_summaries.values())
