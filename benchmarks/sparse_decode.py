@@ -68,7 +68,10 @@ def end_to_end(args) -> list[dict]:
         for _ in range(3):
             for k in [0, *[int(x) for x in args.blocks.split(",")]]:
                 if k:
-                    enable_stem(model.hf, StemConfig(prefill=False, decode_blocks=k, decode_window=args.window))
+                    cfg = StemConfig(
+                        prefill=False, decode_blocks=k, decode_window=args.window, decode_min_tokens=args.min_tokens
+                    )
+                    enable_stem(model.hf, cfg)
                 else:  # back to byblock's own decoder and kernel
                     for conf in confs:
                         conf.byblock_stem = None
@@ -134,7 +137,8 @@ def e2e_markdown(rows: list[dict], args) -> str:
     """The end-to-end table."""
     out = [
         f"End to end, `{args.model}` as loaded (default dtype and kernels), one decode step, median of "
-        f"{3 * args.steps} steps over 3 interleaved rounds, window {args.window}:",
+        f"{3 * args.steps} steps over 3 interleaved rounds, window {args.window}, "
+        f"--sparse-decode-min-tokens {args.min_tokens}:",
         "",
         "| prompt tokens | K blocks | dense ms/step | sparse ms/step | decode speedup |",
         "|---:|---:|---:|---:|---:|",
@@ -162,6 +166,9 @@ def main() -> int:
     p.add_argument("--model", default=None, help="also time whole decode steps of this model")
     p.add_argument("--e2e-lengths", default="2048,4096,8000")
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument(
+        "--min-tokens", type=int, default=0, help="end to end: --sparse-decode-min-tokens (0: sparse everywhere)"
+    )
     p.add_argument("--update-results", default=None)
     p.add_argument("--section", default=None)
     args = p.parse_args()

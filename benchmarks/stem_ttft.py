@@ -1,7 +1,7 @@
 """Stem sparse prefill on this CPU: attention-only speedup and end-to-end time to first token.
 
     .venv/bin/python benchmarks/stem_ttft.py [--lengths 4096,8192] [--attn-lengths 4096,8192,16384,32768]
-        [--model smollm2-135m] [--update-results benchmarks/RESULTS.md --section stem-cpu]
+        [--model smollm2-135m] [--share-layers 1,2,4] [--update-results benchmarks/RESULTS.md --section stem-cpu]
 
 Part A (attention only): one layer's causal attention with the model's head shapes — SDPA vs Stem
 (scoring + selection + the flex block-sparse kernel), after a warm-up call that compiles the kernel.
@@ -100,9 +100,16 @@ def synthetic_prompt(tokenizer, tokens: int) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
 
 
-def end_to_end(model_name: str, lengths: list[int], sparsities: list[float], warmup_max: int = 1 << 30) -> list[dict]:
-    """TTFT (prefill + first token) dense vs Stem; lengths above `warmup_max` run once, without a warm-up
-    (minutes per prefill on this CPU: Stem's time then includes compiling its kernel for that shape)."""
+def end_to_end(
+    model_name: str,
+    lengths: list[int],
+    sparsities: list[float],
+    warmup_max: int = 1 << 30,
+    share_layers: tuple[int, ...] = (1,),
+) -> list[dict]:
+    """TTFT (prefill + first token) dense vs Stem (each sparsity × each `--sparse-share-layers N`); lengths
+    above `warmup_max` run once, without a warm-up (minutes per prefill on this CPU: Stem's time then includes
+    compiling its kernel for that shape)."""
     from byblock.attention.hf_stem import enable_stem
     from byblock.attention.stem import StemConfig
     from byblock.engine.api import generate
@@ -110,10 +117,11 @@ def end_to_end(model_name: str, lengths: list[int], sparsities: list[float], war
     from byblock.sampling.params import SamplingParams
 
     rows = []
-    settings: list[float | None] = [None, *sparsities]
-    for sp in settings:
+    settings: list[tuple[float | None, int]] = [(None, 1), *[(sp, n) for sp in sparsities for n in share_layers]]
+    for sp, share in settings:
         model = load_model(model_name)
-        density = enable_stem(model.hf, StemConfig(sparsity=sp)) if sp is not None else None
+        cfg = StemConfig(sparsity=sp, share_layers=share) if sp is not None else None
+        density = enable_stem(model.hf, cfg) if cfg is not None else None
         for length in lengths:
             ids = synthetic_prompt(model.tokenizer, length)
             params = SamplingParams(max_new_tokens=1)
@@ -122,7 +130,7 @@ def end_to_end(model_name: str, lengths: list[int], sparsities: list[float], war
             t = time.perf_counter()
             res = generate(model, ids, params)
             ttft = time.perf_counter() - t
-            row = {"length": length, "sparsity": sp, "ttft_s": ttft, "token": res.token_ids[0]}
+            row = {"length": length, "sparsity": sp, "share": share, "ttft_s": ttft, "token": res.token_ids[0]}
             row["warm"] = length <= warmup_max
             if density is not None:
                 row["density"] = density.mean()
@@ -158,6 +166,8 @@ def markdown(attn: list[dict], e2e: list[dict], model: str) -> str:
     for r in e2e:
         base = dense[r["length"]]
         name = "dense" if r["sparsity"] is None else f"stem {r['sparsity']}"
+        if r.get("share", 1) > 1:
+            name += f", index shared by {r['share']} layers"
         dens = f"{r['density']:.3f}" if "density" in r else "1.000"
         same = "yes" if r["token"] == base["token"] else "no"
         out.append(
@@ -177,6 +187,7 @@ def main() -> int:
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--share-layers", default="1", help="end to end: Stem's index shared by N layers, e.g. 1,2,4")
     p.add_argument("--warmup-max", type=int, default=1 << 30, help="longer prompts run once, without a warm-up")
     p.add_argument("--device", default="cpu", help="attention-only part: cpu or cuda")
     p.add_argument("--update-results", default=None)
@@ -186,7 +197,8 @@ def main() -> int:
     attn_lengths = [int(x) for x in args.attn_lengths.split(",") if x]
     attn = attention_only(attn_lengths, args.heads, args.head_dim, sparsities, args.repeats, args.device)
     e2e_lengths = [int(x) for x in args.lengths.split(",") if x]
-    e2e = end_to_end(args.model, e2e_lengths, sparsities, args.warmup_max) if e2e_lengths else []
+    shares = tuple(int(x) for x in args.share_layers.split(","))
+    e2e = end_to_end(args.model, e2e_lengths, sparsities, args.warmup_max, shares) if e2e_lengths else []
     table = markdown(attn, e2e, args.model)
     print(table)
     if args.update_results:

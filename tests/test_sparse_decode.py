@@ -155,7 +155,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. " 
 def sparse_target(packed: bool = False):
     """packed: load_model's fp32 setup (packed GEMM, byblock's attention), where byblock's decoder forward runs."""
     model = make_target(packed=packed)
-    cfg = StemConfig(block_size=BS, dense_layers=0, prefill=False, decode_blocks=2, decode_window=16)
+    cfg = StemConfig(
+        block_size=BS, dense_layers=0, prefill=False, decode_blocks=2, decode_window=16, decode_min_tokens=0
+    )
     return model, enable_stem(model.hf, cfg)
 
 
@@ -186,14 +188,24 @@ def test_batched_requests_are_their_solo_outputs_under_sparse_decode():
     assert together == solo and len(set(solo[0])) > 5
 
 
+@pytest.mark.parametrize("straddle", [False, True])
 @pytest.mark.parametrize("tree", [False, True])
-def test_verify_logits_are_bitwise_the_decode_steps(tree):
+def test_verify_logits_are_bitwise_the_decode_steps(tree, straddle):
     """Model level, row-invariant fp32 linears: a 6-token verify forward (chain, or a tree whose path is those
-    tokens) gives each path row bitwise the logits of decoding that token alone."""
+    tokens) gives each path row bitwise the logits of decoding that token alone. straddle: the verify crosses
+    --sparse-decode-min-tokens (its first rows dense, the rest sparse; the early decode steps take the dense
+    kernel's shortcut)."""
     model = make_target(packed=True)
-    cfg = StemConfig(block_size=BS, dense_layers=0, prefill=False, decode_blocks=2, decode_window=16)
-    density = enable_stem(model.hf, cfg)
     ids = model.encode_prompt(PROMPT, chat=False)
+    cfg = StemConfig(
+        block_size=BS,
+        dense_layers=0,
+        prefill=False,
+        decode_blocks=2,
+        decode_window=16,
+        decode_min_tokens=len(ids) + 3 if straddle else 0,
+    )
+    density = enable_stem(model.hf, cfg)
     new = [5, 17, 42, 9, 33, 12]
     cache = model.new_cache()
     model.forward(torch.tensor([ids]), cache)

@@ -166,11 +166,13 @@ def test_sparse_flags_from_the_cli(tiny_llama_dir):
             [*base, *flags],
             [*base, *flags, "--sparse", "stem", "--sparsity", "0"],
             [*base, *flags, "--sparse", "stem", "--sparsity", "0.9"],
-            [*base, *flags, "--sparse-decode", "2", "--sparse-decode-window", "16", "--max-new-tokens", "6"],
+            [*base, *flags, "--sparse-decode", "2", "--sparse-decode-window", "16", "--max-new-tokens", "6"]
+            + ["--sparse-decode-min-tokens", "0"],
             [*base, "--sparse", "stem", "--sparsity", "1.5"],
             [*base, "--sparse", "stem", "--sparse-share-layers", "0"],
             [*base, "--sparse-decode", "2", "--kv-window", "64"],
             [*base, "--sparse-decode", "-1"],
+            [*base, "--sparse-decode", "2", "--sparse-decode-min-tokens", "-5"],
         ]
     )
     assert all(r.returncode == 0 for r in runs[:3]), [r.stderr for r in runs[:3]]

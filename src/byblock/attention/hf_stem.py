@@ -130,7 +130,17 @@ def _sparse_decode_rows(module, query, key, value, attention_mask, scaling, cach
     mask = attention_mask if attention_mask is None or attention_mask.dim() == 4 else None
     summary = cache.key_summary(layer, cfg.block_size) if cache is not None else None
     out, frac = sparse_decode_attention(
-        query, key, value, mask, scale, cfg.block_size, cfg.decode_blocks, cfg.decode_window, cfg.sink_blocks, summary
+        query,
+        key,
+        value,
+        mask,
+        scale,
+        cfg.block_size,
+        cfg.decode_blocks,
+        cfg.decode_window,
+        cfg.sink_blocks,
+        summary,
+        min_position=cfg.decode_min_tokens,
     )
     density: DensityLog | None = getattr(module.config, "byblock_stem_log", None)
     if density is not None:
@@ -147,10 +157,24 @@ def sparse_decode_forward(module, query, key, value, attention_mask, scaling=Non
     if (batch := kwargs.pop(BATCH_KWARG, None)) is not None:
         return batch.attend(sparse_decode_forward, module, query, key, value, scaling=scaling, **kwargs)
     cache = kwargs.pop(CACHE_KWARG, None)
-    decoded = _sparse_decode_rows(module, query, key, value, attention_mask, scaling, cache, kwargs)
+    cfg: StemConfig | None = getattr(module.config, "byblock_stem", None)
+    # Every row at a position below decode_min_tokens: the dense kernel, when it is the row kernel (CPU, fp32),
+    # which gives such a row the bits the sparse path gives it (all its visible keys, in slot order), so a
+    # verify that straddles the threshold still matches its decode steps. Elsewhere the sparse path decides.
+    short = cfg is not None and key.shape[2] <= cfg.decode_min_tokens and _row_kernel_runs(query)
+    decoded = None if short else _sparse_decode_rows(module, query, key, value, attention_mask, scaling, cache, kwargs)
     if decoded is not None:
         return decoded, None
     return gqa_sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def _row_kernel_runs(query: torch.Tensor) -> bool:
+    """Whether decode rows of this dtype and device run on the CPU row kernel (kernels/row_attention.py)."""
+    if query.dtype != torch.float32 or not query.is_cpu:
+        return False
+    from byblock.kernels.row_attention import load_row_attention
+
+    return load_row_attention() is not None
 
 
 def _block_mask(q, k, v, cfg: StemConfig, scale: float, layer: int, density: DensityLog | None) -> torch.Tensor:

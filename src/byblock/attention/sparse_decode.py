@@ -78,9 +78,10 @@ class _Rows:
     """The block choice of every row of one forward: for row (b, i), its visible keys, its candidate end e and
     its chosen blocks [Hkv, K] (None: the row sees all its keys)."""
 
-    def __init__(self, query, key, attention_mask, summary, block_size, blocks, window, sink_blocks) -> None:
+    def __init__(self, query, key, attention_mask, summary, block_size, blocks, window, sink_blocks, min_position):
         self.query, self.key, self.mask = query, key, attention_mask
         self.summary, self.bs, self.blocks, self.window, self.sinks = summary, block_size, blocks, window, sink_blocks
+        self.min_position = min_position
         self.shared: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, Hkv, n, D] over the committed prefix
 
     def choose(self, bi: int, i: int) -> tuple[torch.Tensor, int, torch.Tensor | None, bool]:
@@ -89,7 +90,7 @@ class _Rows:
         vis = visible_keys(self.mask, bi, i, lq, lk)
         p = vis.numel() - 1  # the row's position: its rank among its visible keys
         end = max(0, (p - self.window + 1) // bs)  # candidate blocks: [sinks, end)
-        if end - self.sinks <= self.blocks:  # nothing to skip: every visible key
+        if end - self.sinks <= self.blocks or p < self.min_position:  # nothing to skip: every visible key
             return vis, end, None, True
         prefix = bool(vis[end * bs - 1] == end * bs - 1)
         if prefix:  # end·b <= p − W + 1 <= Lk − Lq: only committed slots are summarised
@@ -117,11 +118,13 @@ def sparse_decode_attention(
     sink_blocks: int,
     summary: KeyBlockSummary | None = None,
     portable: bool = False,
+    min_position: int = 0,
 ) -> tuple[torch.Tensor, float]:
     """query [B, H, Lq, D] (new rows), key/value [B, Hkv, Lk, D] (the cache, new rows last) -> ([B, H, Lq, D],
     fraction of the visible keys attended to). `blocks` selected blocks per row and KV head; `window` ≥ Lq.
     summary: this layer's kept block extremes (the cache's), or None to compute them here. portable: use the
-    gather + SDPA path even where the CPU kernel runs (for tests and comparisons)."""
+    gather + SDPA path even where the CPU kernel runs (for tests and comparisons). min_position: rows at
+    earlier positions see all their keys."""
     lq = query.shape[2]
     if lq > window:
         from byblock.errors import InvalidParameterError
@@ -129,7 +132,7 @@ def sparse_decode_attention(
         raise InvalidParameterError(
             f"--sparse-decode-window {window} is smaller than the {lq} rows of one forward (raise it)"
         )
-    rows = _Rows(query, key, attention_mask, summary, block_size, blocks, window, sink_blocks)
+    rows = _Rows(query, key, attention_mask, summary, block_size, blocks, window, sink_blocks, min_position)
     kernel = None
     if not portable and query.dtype == torch.float32 and query.is_cpu:
         from byblock.kernels.row_attention import load_row_attention

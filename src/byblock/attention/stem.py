@@ -63,6 +63,9 @@ class StemConfig:
     # from `decode_window` positions back, and the `decode_blocks` best key blocks before them (0: dense).
     decode_blocks: int = 0
     decode_window: int = 256
+    # Rows at positions below this attend densely: under ~4K tokens on a CPU choosing blocks costs more than
+    # the keys it skips (benchmarks/RESULTS.md §7c). A function of the position alone, so still row-local.
+    decode_min_tokens: int = 4096
 
     def __post_init__(self) -> None:
         from byblock.errors import InvalidParameterError
@@ -75,8 +78,10 @@ class StemConfig:
             raise InvalidParameterError("the block size must be a multiple of the stride")
         if self.oam_beta < 0 or self.sink_blocks < 0 or self.local_blocks < 1 or self.dense_layers < 0:
             raise InvalidParameterError("oam_beta, sink_blocks, dense_layers >= 0 and local_blocks >= 1")
-        if self.decode_blocks < 0 or self.decode_window < 1:
-            raise InvalidParameterError("--sparse-decode must be >= 0 and --sparse-decode-window >= 1")
+        if self.decode_blocks < 0 or self.decode_window < 1 or self.decode_min_tokens < 0:
+            raise InvalidParameterError(
+                "--sparse-decode and --sparse-decode-min-tokens must be >= 0 and --sparse-decode-window >= 1"
+            )
         if self.share_layers < 1:
             raise InvalidParameterError(f"--sparse-share-layers must be >= 1, got {self.share_layers}")
 

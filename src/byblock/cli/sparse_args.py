@@ -43,6 +43,12 @@ def add_sparse_args(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="sparse decode: recent positions every row sees densely (at least the rows of one verify)",
     )
+    s.add_argument(
+        "--sparse-decode-min-tokens",
+        type=int,
+        default=4096,
+        help="sparse decode: rows at earlier positions attend densely (below ~4K selection costs more than it saves)",
+    )
     s.add_argument("--sparse-backend", default="flex", choices=["flex", "gather"], help="stem: block-sparse kernel")
 
 
@@ -63,6 +69,7 @@ def stem_config(args: argparse.Namespace, sparsity: float):
         prefill=args.sparse == "stem",
         decode_blocks=args.sparse_decode,
         decode_window=args.sparse_decode_window,
+        decode_min_tokens=args.sparse_decode_min_tokens,
     )
 
 
