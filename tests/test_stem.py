@@ -161,13 +161,14 @@ def test_sparse_flags_from_the_cli(tiny_llama_dir):
     base = [sys.executable, "-m", "byblock.cli.main", "generate", prompt, "--model", str(tiny_llama_dir), "--no-chat"]
     flags = ["--max-new-tokens", "4", "--json", "--sparse-block", "16", "--sparse-min-tokens", "64"]
     flags += ["--sparse-dense-layers", "1", "--sparse-backend", "gather"]
+    decode_flags = ["--sparse-decode", "2", "--sparse-decode-window", "16", "--sparse-decode-min-tokens", "0"]
+    decode_flags += ["--max-new-tokens", "6"]
     runs = run_all(
         [
             [*base, *flags],
             [*base, *flags, "--sparse", "stem", "--sparsity", "0"],
             [*base, *flags, "--sparse", "stem", "--sparsity", "0.9"],
-            [*base, *flags, "--sparse-decode", "2", "--sparse-decode-window", "16", "--max-new-tokens", "6"]
-            + ["--sparse-decode-min-tokens", "0"],
+            [*base, *flags, *decode_flags],
             [*base, "--sparse", "stem", "--sparsity", "1.5"],
             [*base, "--sparse", "stem", "--sparse-share-layers", "0"],
             [*base, "--sparse-decode", "2", "--kv-window", "64"],
