@@ -131,6 +131,7 @@ def end_to_end(
             res = generate(model, ids, params)
             ttft = time.perf_counter() - t
             row = {"length": length, "sparsity": sp, "share": share, "ttft_s": ttft, "token": res.token_ids[0]}
+            row["weights"] = model.weights
             row["warm"] = length <= warmup_max
             if density is not None:
                 row["density"] = density.mean()
@@ -158,7 +159,8 @@ def markdown(attn: list[dict], e2e: list[dict], model: str) -> str:
         return "\n".join(out) + "\n"
     out += [
         "",
-        f"End to end, `{model}` fp32, prefill + first token, {torch.get_num_threads()} thread(s):",
+        f"End to end, `{model}` ({e2e[0].get('weights', 'float32')} weights), prefill + first token, "
+        f"{torch.get_num_threads()} thread(s):",
         "",
         "| prompt tokens | setting | mean density (sparse layers) | TTFT s | vs dense | same first token | warmed up |",
         "|---:|---|---:|---:|---:|---|---|",
