@@ -8,8 +8,9 @@ Attention only: dense is byblock's decode kernel (kernels/gqa_sdpa.py: the CPU r
 key, in place); sparse is the whole `--sparse-decode` path (visible keys, block extremes, the Quest bound,
 top-K per KV head, the row kernel over the chosen keys). The extremes are computed inside the timed call here
 (a cache keeps them between forwards). End to end (--model): one process prefills a random prompt once, then
-times decode steps of the loaded model as `byblock generate` runs it, dense and with each K, interleaved over
-three rounds on the same cache (cropped back after each), median per setting. Ratios come from one run.
+times forwards of the loaded model as `byblock generate` runs them — 1 new row (a decode step) and R rows (a
+chain verify) — dense and with each K, interleaved over three rounds on the same cache (cropped back after each
+forward), median per setting. Ratios come from one run.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def end_to_end(args) -> list[dict]:
         ids = torch.randint(100, 20000, (1, length), generator=torch.Generator().manual_seed(length))
         cache = model.new_cache()
         model.forward(ids, cache, logits_to_keep=1)
-        times: dict[int, list[float]] = {}
+        times: dict[tuple[int, int], list[float]] = {}
         for _ in range(3):
             for k in [0, *[int(x) for x in args.blocks.split(",")]]:
                 if k:
@@ -76,18 +77,22 @@ def end_to_end(args) -> list[dict]:
                     for conf in confs:
                         conf.byblock_stem = None
                     model.hf.set_attn_implementation(DENSE)
-                tok = torch.tensor([[42]])
-                model.forward(tok, cache, logits_to_keep=1)  # warm-up step
-                for _ in range(args.steps):
-                    t = time.perf_counter()
-                    model.forward(tok, cache, logits_to_keep=1)
-                    times.setdefault(k, []).append(time.perf_counter() - t)
-                cache.crop(length)
-        dense_ms = 1000 * sorted(times[0])[len(times[0]) // 2]
-        for k in times:
+                for rows in [int(x) for x in args.e2e_rows.split(",")]:
+                    tok = torch.full((1, rows), 42)  # rows > 1: a chain verify of that many tokens
+                    model.forward(tok, cache, logits_to_keep=rows)  # warm-up forward
+                    cache.crop(length)
+                    for _ in range(args.steps):
+                        t = time.perf_counter()
+                        model.forward(tok, cache, logits_to_keep=rows)
+                        times.setdefault((k, rows), []).append(time.perf_counter() - t)
+                        cache.crop(length)
+        for (k, rows), ts in times.items():
             if k:
-                ms = 1000 * sorted(times[k])[len(times[k]) // 2]
-                out.append({"length": length, "blocks": k, "dense_ms": dense_ms, "sparse_ms": ms})
+                dense_ts = times[(0, rows)]
+                out.append(
+                    {"length": length, "rows": rows, "blocks": k, "dense_ms": 1000 * sorted(dense_ts)[len(ts) // 2],
+                     "sparse_ms": 1000 * sorted(ts)[len(ts) // 2]}
+                )  # fmt: skip
                 print(out[-1], file=sys.stderr, flush=True)
     return out
 
@@ -136,16 +141,16 @@ def markdown(rows: list[dict], args) -> str:
 def e2e_markdown(rows: list[dict], args) -> str:
     """The end-to-end table."""
     out = [
-        f"End to end, `{args.model}` as loaded (default dtype and kernels), one decode step, median of "
-        f"{3 * args.steps} steps over 3 interleaved rounds, window {args.window}, "
-        f"--sparse-decode-min-tokens {args.min_tokens}:",
+        f"End to end, `{args.model}` as loaded (default dtype and kernels), one forward of 1 new row (a decode "
+        f"step) or of R rows (a chain verify), median of {3 * args.steps} over 3 interleaved rounds on the same "
+        f"cache, window {args.window}, --sparse-decode-min-tokens {args.min_tokens}:",
         "",
-        "| prompt tokens | K blocks | dense ms/step | sparse ms/step | decode speedup |",
-        "|---:|---:|---:|---:|---:|",
+        "| prompt tokens | rows | K blocks | dense ms/forward | sparse ms/forward | speedup |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (r["length"], r["rows"], r["blocks"])):
         out.append(
-            f"| {r['length']} | {r['blocks']} | {r['dense_ms']:.1f} | {r['sparse_ms']:.1f} | "
+            f"| {r['length']} | {r['rows']} | {r['blocks']} | {r['dense_ms']:.1f} | {r['sparse_ms']:.1f} | "
             f"{r['dense_ms'] / r['sparse_ms']:.2f}× |"
         )
     return "\n".join(out) + "\n"
@@ -166,6 +171,7 @@ def main() -> int:
     p.add_argument("--model", default=None, help="also time whole decode steps of this model")
     p.add_argument("--e2e-lengths", default="2048,4096,8000")
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--e2e-rows", default="1,16", help="end to end: new rows per forward (1: decode, R: a verify)")
     p.add_argument(
         "--min-tokens", type=int, default=0, help="end to end: --sparse-decode-min-tokens (0: sparse everywhere)"
     )

@@ -203,6 +203,9 @@ def test_sliding_window_drafter_is_lossless_and_round_trips_in_vllms_fields(tmp_
     hf = to_hf_config(model.config)
     assert hf["dflash_config"]["use_swa"] is True and hf["dflash_config"]["swa_window_size"] == 6
     assert hf["sliding_window"] == 6 and set(hf["layer_types"]) == {"sliding_attention"}
+    # vLLM reads a "sliding_attention" layer as causal unless told (qwen3_dflash._dflash_layer_causal); the
+    # drafter's block rows see each other, so the export says so
+    assert hf["dflash_config"]["causal"] is False
     save_dflash(model, tmp_path / "swa")
     loaded, _ = load_dflash(tmp_path / "swa")
     assert loaded.config.sliding_window == 6

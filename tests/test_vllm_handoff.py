@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import real_model_or_skip
 from serving import free_port
 
@@ -141,6 +142,35 @@ def _random_smollm2_head(path: Path, model) -> Path:
     head = Eagle3DraftModel(cfg)
     head.set_draft_vocab(torch.arange(0, model.vocab_size, 12))
     return save_eagle3(head, path, torch.float32)
+
+
+def test_vllm_runs_a_sliding_window_drafter_like_byblock(tmp_path, vllm_python):
+    """MiMo's layout (use_swa, swa_window_size, non-causal blocks): the shipped drafter saved with a 24-position
+    window drafts the same blocks in byblock and in vLLM — both token-identical to plain decoding, the same τ.
+    A window or causality read differently by the two (the export once left vLLM to take its sliding layers as
+    causal) moves vLLM's τ off byblock's."""
+    from dataclasses import replace
+
+    from byblock.drafters import shipped_dflash_dir
+    from byblock.drafters.dflash_format import load_dflash, save_dflash
+    from byblock.drafters.dflash_model import DFlashDraftModel
+
+    real_model_or_skip(activations="fp32")
+    full, vocab = load_dflash(shipped_dflash_dir("smollm2-135m"))
+    swa = DFlashDraftModel(replace(full.config, sliding_window=24))
+    swa.load_state_dict(full.state_dict())
+    path = save_dflash(swa, tmp_path / "swa", torch.float32, vocab)
+    cmd = [*CLI, "bench", "--methods", f"ar,dflash:{path},vllm,vllm-dflash:{path}", "--dataset", str(PROMPTS)]
+    cmd += ["--limit", "2", "--activations", "fp32", "--max-new-tokens", "48", "--batch", "1", "--no-plots"]
+    cmd += ["--quiet", "--out", str(tmp_path / "out")]
+    env = {**os.environ, "BYBLOCK_VLLM_PYTHON": str(vllm_python)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "report.json").read_text())["datasets"][PROMPTS.stem]["methods"]
+    mine, theirs = rows[f"dflash:{path}"], rows[f"vllm-dflash:{path}"]
+    assert mine["mismatched_turns"] == 0 and theirs["mismatched_vs_engine"] == 0
+    assert mine["tau"] > 1.3  # the window leaves a drafter worth comparing
+    assert abs(theirs["tau"] - mine["tau"]) <= 0.15, (theirs, mine)
 
 
 def test_vllm_runs_byblocks_eagle3_head_like_byblock(tmp_path, vllm_python):

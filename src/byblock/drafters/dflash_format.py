@@ -59,6 +59,9 @@ def to_hf_config(cfg: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -> dict
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.target_layer_ids),
             **({"use_swa": True, "swa_window_size": cfg.sliding_window} if cfg.sliding_window else {}),
+            # Block rows see each other (DFlash's drafter is non-causal). Said explicitly: vLLM's qwen3_dflash.py
+            # makes a layer listed as "sliding_attention" causal unless dflash_config.causal overrides it.
+            "causal": False,
         },
         "torch_dtype": str(dtype).removeprefix("torch."),
         "byblock": cfg.extra,
