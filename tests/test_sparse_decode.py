@@ -276,3 +276,18 @@ def test_sparse_decode_runs_in_byblocks_decoder_and_keeps_block_summaries():
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert caches[0].key_summaries and all(s.valid == 73 // BS for s in caches[0].key_summaries.values())
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_tied_blocks_are_chosen_alike_alone_and_in_a_verify(portable):
+    """Blocks with equal bounds (repeated keys) go to the earlier block whether the row is decoded alone or beside
+    5 others (a stable order, not topk's): the verify rows stay bitwise the decode steps."""
+    q, k, v = qkv(21, lq=6, lk=100)
+    for t in (k, v):
+        t[:, :, 2 * BS : 3 * BS] = t[:, :, 5 * BS : 6 * BS]  # blocks 2 and 5, and 3 and 7, tie exactly
+        t[:, :, 3 * BS : 4 * BS] = t[:, :, 7 * BS : 8 * BS]
+    together = run(q, k, v, portable=portable)
+    for i in range(6):
+        alone = run(q[:, :, i : i + 1], k[:, :, : 95 + i], v[:, :, : 95 + i], portable=portable)
+        assert torch.equal(together[:, :, i], alone[:, :, 0]), i
+    torch.testing.assert_close(together, brute_force(q, k, v), rtol=1e-5, atol=1e-5)

@@ -53,7 +53,13 @@ def select_blocks_for_row(
     hkv, _, d = kmax.shape
     qg = q.reshape(hkv, -1, 1, d)  # [Hkv, G, 1, D]
     bound = torch.maximum(qg * kmax[:, None], qg * kmin[:, None]).sum(-1).sum(1)  # [Hkv, n]
-    return bound.topk(count, dim=-1).indices.sort(dim=-1).values + first
+    return _top_blocks(bound, count) + first
+
+
+def _top_blocks(bound: torch.Tensor, count: int) -> torch.Tensor:
+    """[..., n] bounds -> [..., count] indices of the highest, ascending. Ties go to the earlier block (a stable
+    sort, not topk): the choice must not depend on how many candidates a call pads the row with."""
+    return bound.sort(dim=-1, descending=True, stable=True).indices[..., :count].sort(dim=-1).values
 
 
 def _gather_blocks(
@@ -144,29 +150,62 @@ def sparse_decode_attention(
 
 
 def _attend_in_place(kernel, rows: _Rows, value: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
-    """The CPU kernel over per-KV-head key sets [B, Hkv, Lq, Lk]: chosen keys are read where they lie."""
-    query, key, bs, sinks = rows.query, rows.key, rows.bs, rows.sinks
-    b, _, lq, _ = query.shape
+    """The CPU kernel over per-KV-head key sets [B, Hkv, Lq, Lk]: chosen keys are read where they lie. Every row
+    is chosen at once (a verify's 16 rows cost one set of tensor ops, not 16): its bound over all committed
+    blocks, the blocks at or past its own end e masked out, then the same stable order as a lone row's."""
+    query, key, bs, sinks, k = rows.query, rows.key, rows.bs, rows.sinks, rows.blocks
+    b, h, lq, d = query.shape
     hkv, lk = key.shape[1], key.shape[2]
-    keysets = torch.zeros(b, hkv, lq, lk, dtype=torch.uint8, device=query.device)
-    kept = seen = 0
-    for bi in range(b):
-        for i in range(lq):
-            vis, end, top, _ = rows.choose(bi, i)
-            p = vis.numel() - 1
-            seen += p + 1
-            if top is None:
-                keysets[bi, :, i, vis] = 1
-                kept += p + 1
-                continue
-            chosen = torch.zeros(hkv, p + 1, dtype=torch.uint8, device=query.device)  # by rank among visible keys
-            chosen[:, : sinks * bs] = 1
-            chosen[:, end * bs :] = 1
-            chosen[:, : end * bs].view(hkv, end, bs)[torch.arange(hkv, device=query.device)[:, None], top] = 1
-            keysets[bi, :, i, vis] = chosen
-            kept += (sinks + top.shape[1]) * bs + p + 1 - end * bs
+    dev = query.device
+    vis = _visibility(rows.mask, b, lq, lk, dev)  # [B, Lq, Lk]
+    p = vis.sum(-1) - 1  # each row's position: its rank among its visible keys
+    end = (p - rows.window + 1).clamp(min=0) // bs
+    select = (end - sinks > k) & (p >= rows.min_position)
+    seen = int((p + 1).sum())
+    keysets = vis[:, None].expand(b, hkv, lq, lk)
+    if not bool(select.any()):
+        return kernel(query, key, value, keysets, scale).transpose(1, 2), 1.0
+    first = (end * bs - 1).clamp(min=0)  # the row's first end·b keys are slots 0.. iff it sees end·b of them
+    prefix = vis.to(torch.int32).cumsum(-1).gather(-1, first[..., None])[..., 0] == end * bs
+    together = select & prefix
+    keysets = keysets.clone()
+    if bool(together.any()):
+        n = (lk - lq) // bs  # committed blocks: every candidate of every row lies among them
+        kmax, kmin = rows.summary.extremes(key, n) if rows.summary is not None else block_extremes(key, n, bs)
+        qg = query.transpose(1, 2).reshape(b, lq, hkv, h // hkv, 1, d)  # [B, Lq, Hkv, G, 1, D]
+        lo, hi = kmax[:, None, :, None, sinks:], kmin[:, None, :, None, sinks:]  # [B, 1, Hkv, 1, n - s, D]
+        bound = torch.maximum(qg * lo, qg * hi).sum(-1).sum(-2)  # [B, Lq, Hkv, n - s], each row's own values
+        past_end = torch.arange(sinks, n, device=dev) >= end[..., None, None]
+        top = _top_blocks(bound.masked_fill(past_end, float("-inf")), k) + sinks  # [B, Lq, Hkv, K]
+        chosen = torch.zeros(b, lq, hkv, lk // bs + 1, dtype=torch.bool, device=dev)
+        chosen.scatter_(-1, top, True)
+        slot = torch.arange(lk, device=dev)
+        allowed = chosen.repeat_interleave(bs, dim=-1)[..., :lk]  # [B, Lq, Hkv, Lk]
+        allowed |= (slot < sinks * bs) | (slot >= (end * bs)[..., None])[:, :, None]
+        rows_sets = (vis[:, :, None] & allowed).transpose(1, 2)  # [B, Hkv, Lq, Lk]
+        keysets = torch.where(together[:, None, :, None], rows_sets, keysets)
+    for bi, i in (select & ~prefix).nonzero().tolist():  # padding or a compacted cache: row by row
+        slots, row_end, row_top, _ = rows.choose(bi, i)
+        assert row_top is not None
+        ranks = torch.zeros(hkv, slots.numel(), dtype=torch.bool, device=dev)  # by rank among visible keys
+        ranks[:, : sinks * bs] = True
+        ranks[:, row_end * bs :] = True
+        ranks[:, : row_end * bs].view(hkv, row_end, bs)[torch.arange(hkv, device=dev)[:, None], row_top] = True
+        keysets[bi, :, i] = False
+        keysets[bi, :, i, slots] = ranks
+    kept = int(keysets[:, 0].sum())  # every KV head reads as many keys
     out = kernel(query, key, value, keysets, scale)  # [B, Lq, H, D]
     return out.transpose(1, 2), kept / max(seen, 1)
+
+
+def _visibility(mask: torch.Tensor | None, b: int, lq: int, lk: int, dev) -> torch.Tensor:
+    """bool [B, Lq, Lk]: the keys each row may see (None: causal new rows last, no padding)."""
+    if mask is None:
+        return (torch.arange(lk, device=dev) <= torch.arange(lk - lq, lk, device=dev)[:, None]).expand(b, lq, lk)
+    m = mask[:, 0]
+    if m.dtype != torch.bool:
+        m = m == 0  # an additive mask: 0 where visible, a large negative elsewhere
+    return m.expand(b, lq, lk)
 
 
 def _attend_gathered(rows: _Rows, value: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
