@@ -149,10 +149,51 @@ def sparse_decode_attention(
     return _attend_gathered(rows, value, scale)
 
 
+VECTOR_ROWS = 4  # forwards of at least this many rows choose all rows at once (_key_sets_together)
+
+
 def _attend_in_place(kernel, rows: _Rows, value: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
-    """The CPU kernel over per-KV-head key sets [B, Hkv, Lq, Lk]: chosen keys are read where they lie. Every row
-    is chosen at once (a verify's 16 rows cost one set of tensor ops, not 16): its bound over all committed
-    blocks, the blocks at or past its own end e masked out, then the same stable order as a lone row's."""
+    """The CPU kernel over per-KV-head key sets [B, Hkv, Lq, Lk]: chosen keys are read where they lie. Both ways
+    of building the key sets make the same choice for a row (the same bound values, the same stable order), so
+    which one a forward takes does not change any row's bits."""
+    if rows.query.shape[2] >= VECTOR_ROWS:
+        keysets, kept, seen = _key_sets_together(rows)
+    else:
+        keysets, kept, seen = _key_sets_row_by_row(rows)
+    out = kernel(rows.query, rows.key, value, keysets, scale)  # [B, Lq, H, D]
+    return out.transpose(1, 2), kept / max(seen, 1)
+
+
+def _key_sets_row_by_row(rows: _Rows) -> tuple[torch.Tensor, int, int]:
+    """Key sets [B, Hkv, Lq, Lk] one row at a time: the least work for a decode step's single row."""
+    query, key, bs, sinks = rows.query, rows.key, rows.bs, rows.sinks
+    b, _, lq, _ = query.shape
+    hkv, lk = key.shape[1], key.shape[2]
+    dev = query.device
+    keysets = torch.zeros(b, hkv, lq, lk, dtype=torch.bool, device=dev)
+    kept = seen = 0
+    for bi in range(b):
+        for i in range(lq):
+            vis, end, top, _ = rows.choose(bi, i)
+            p = vis.numel() - 1
+            seen += p + 1
+            if top is None:
+                keysets[bi, :, i, vis] = True
+                kept += p + 1
+                continue
+            chosen = torch.zeros(hkv, p + 1, dtype=torch.bool, device=dev)  # by rank among visible keys
+            chosen[:, : sinks * bs] = True
+            chosen[:, end * bs :] = True
+            chosen[:, : end * bs].view(hkv, end, bs)[torch.arange(hkv, device=dev)[:, None], top] = True
+            keysets[bi, :, i, vis] = chosen
+            kept += (sinks + top.shape[1]) * bs + p + 1 - end * bs
+    return keysets, kept, seen
+
+
+def _key_sets_together(rows: _Rows) -> tuple[torch.Tensor, int, int]:
+    """Key sets [B, Hkv, Lq, Lk] for every row at once (a verify's 16 rows cost one set of tensor ops, not 16):
+    each row's bound over all committed blocks, the blocks at or past its own end e masked out, then the same
+    stable order as a lone row's."""
     query, key, bs, sinks, k = rows.query, rows.key, rows.bs, rows.sinks, rows.blocks
     b, h, lq, d = query.shape
     hkv, lk = key.shape[1], key.shape[2]
@@ -164,7 +205,7 @@ def _attend_in_place(kernel, rows: _Rows, value: torch.Tensor, scale: float) -> 
     seen = int((p + 1).sum())
     keysets = vis[:, None].expand(b, hkv, lq, lk)
     if not bool(select.any()):
-        return kernel(query, key, value, keysets, scale).transpose(1, 2), 1.0
+        return keysets, seen, seen
     first = (end * bs - 1).clamp(min=0)  # the row's first end·b keys are slots 0.. iff it sees end·b of them
     prefix = vis.to(torch.int32).cumsum(-1).gather(-1, first[..., None])[..., 0] == end * bs
     together = select & prefix
@@ -193,9 +234,7 @@ def _attend_in_place(kernel, rows: _Rows, value: torch.Tensor, scale: float) -> 
         ranks[:, : row_end * bs].view(hkv, row_end, bs)[torch.arange(hkv, device=dev)[:, None], row_top] = True
         keysets[bi, :, i] = False
         keysets[bi, :, i, slots] = ranks
-    kept = int(keysets[:, 0].sum())  # every KV head reads as many keys
-    out = kernel(query, key, value, keysets, scale)  # [B, Lq, H, D]
-    return out.transpose(1, 2), kept / max(seen, 1)
+    return keysets, int(keysets[:, 0].sum()), seen  # every KV head reads as many keys
 
 
 def _visibility(mask: torch.Tensor | None, b: int, lq: int, lk: int, dev) -> torch.Tensor:
