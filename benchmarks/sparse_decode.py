@@ -6,8 +6,8 @@ vs `--sparse-decode K` (attention/sparse_decode.py), at the model's head shapes.
 
 Attention only: dense is byblock's decode kernel (kernels/gqa_sdpa.py: the CPU row kernel over every visible
 key, in place); sparse is the whole `--sparse-decode` path (visible keys, block extremes, the Quest bound,
-top-K per KV head, the row kernel over the chosen keys). The extremes are computed inside the timed call here
-(a cache keeps them between forwards). End to end (--model): one process prefills a random prompt once, then
+top-K per KV head, the row kernel over the chosen keys), with the block extremes kept between calls as the
+KV cache keeps them (kv/block_summary.py). End to end (--model): one process prefills a random prompt once, then
 times forwards of the loaded model as `byblock generate` runs them — 1 new row (a decode step) and R rows (a
 chain verify) — dense and with each K, interleaved over three rounds on the same cache (cropped back after each
 forward), median per setting. Ratios come from one run.
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from byblock.attention.sparse_decode import sparse_decode_attention
+from byblock.kv.block_summary import KeyBlockSummary
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -108,9 +109,10 @@ def measure(args) -> list[dict]:
             k, v = (torch.randn(1, args.kv_heads, length, args.head_dim, generator=g) for _ in range(2))
             dense_ms = median_ms(lambda q=q, k=k, v=v: dense(q, k, v, scale), args.repeats)
             for blocks in [int(x) for x in args.blocks.split(",")]:
+                summary = KeyBlockSummary(args.block)  # as a cache keeps them: filled by the warm-up call
 
-                def sparse(q=q, k=k, v=v, blocks=blocks):
-                    return sparse_decode_attention(q, k, v, None, scale, args.block, blocks, args.window, 1)
+                def sparse(q=q, k=k, v=v, blocks=blocks, summary=summary):
+                    return sparse_decode_attention(q, k, v, None, scale, args.block, blocks, args.window, 1, summary)
 
                 ms = median_ms(sparse, args.repeats)
                 rows.append(
