@@ -58,10 +58,9 @@ def to_hf_config(cfg: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -> dict
         "dflash_config": {
             "mask_token_id": cfg.mask_token_id,
             "target_layer_ids": list(cfg.target_layer_ids),
-            **({"use_swa": True, "swa_window_size": cfg.sliding_window} if cfg.sliding_window else {}),
-            # Block rows see each other (DFlash's drafter is non-causal). Said explicitly: vLLM's qwen3_dflash.py
-            # makes a layer listed as "sliding_attention" causal unless dflash_config.causal overrides it.
-            "causal": False,
+            # Block rows see each other (DFlash's drafter is non-causal). Said explicitly for windowed drafters:
+            # vLLM's qwen3_dflash.py makes a layer listed as "sliding_attention" causal unless told otherwise.
+            **({"use_swa": True, "swa_window_size": cfg.sliding_window, "causal": False} if cfg.sliding_window else {}),
         },
         "torch_dtype": str(dtype).removeprefix("torch."),
         "byblock": cfg.extra,
