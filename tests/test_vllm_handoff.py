@@ -144,6 +144,20 @@ def _random_smollm2_head(path: Path, model) -> Path:
     return save_eagle3(head, path, torch.float32)
 
 
+def _byblock_and_vllm(tmp_path, vllm_python, mine: str, theirs: str) -> tuple[dict, dict]:
+    """`byblock bench` of a drafter in byblock (`mine`) and in vLLM (`theirs`) on 2 dev prompts, fp32
+    activations, batch 1 -> their report rows, each checked token-identical to its engine's plain decoding."""
+    cmd = [*CLI, "bench", "--methods", f"ar,{mine},vllm,{theirs}", "--dataset", str(PROMPTS), "--limit", "2"]
+    cmd += ["--activations", "fp32", "--max-new-tokens", "48", "--batch", "1", "--no-plots", "--quiet"]
+    cmd += ["--out", str(tmp_path / "out")]
+    env = {**os.environ, "BYBLOCK_VLLM_PYTHON": str(vllm_python)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "report.json").read_text())["datasets"][PROMPTS.stem]["methods"]
+    assert rows[mine]["mismatched_turns"] == 0 and rows[theirs]["mismatched_vs_engine"] == 0
+    return rows[mine], rows[theirs]
+
+
 def test_vllm_runs_a_sliding_window_drafter_like_byblock(tmp_path, vllm_python):
     """MiMo's layout (use_swa, swa_window_size, non-causal blocks): the shipped drafter saved with a 24-position
     window drafts the same blocks in byblock and in vLLM — both token-identical to plain decoding, the same τ.
@@ -160,15 +174,7 @@ def test_vllm_runs_a_sliding_window_drafter_like_byblock(tmp_path, vllm_python):
     swa = DFlashDraftModel(replace(full.config, sliding_window=24))
     swa.load_state_dict(full.state_dict())
     path = save_dflash(swa, tmp_path / "swa", torch.float32, vocab)
-    cmd = [*CLI, "bench", "--methods", f"ar,dflash:{path},vllm,vllm-dflash:{path}", "--dataset", str(PROMPTS)]
-    cmd += ["--limit", "2", "--activations", "fp32", "--max-new-tokens", "48", "--batch", "1", "--no-plots"]
-    cmd += ["--quiet", "--out", str(tmp_path / "out")]
-    env = {**os.environ, "BYBLOCK_VLLM_PYTHON": str(vllm_python)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads((tmp_path / "out" / "report.json").read_text())["datasets"][PROMPTS.stem]["methods"]
-    mine, theirs = rows[f"dflash:{path}"], rows[f"vllm-dflash:{path}"]
-    assert mine["mismatched_turns"] == 0 and theirs["mismatched_vs_engine"] == 0
+    mine, theirs = _byblock_and_vllm(tmp_path, vllm_python, f"dflash:{path}", f"vllm-dflash:{path}")
     assert mine["tau"] > 1.3  # the window leaves a drafter worth comparing
     assert abs(theirs["tau"] - mine["tau"]) <= 0.15, (theirs, mine)
 
@@ -178,13 +184,5 @@ def test_vllm_runs_byblocks_eagle3_head_like_byblock(tmp_path, vllm_python):
     same τ — the check that byblock's head computes what vLLM's Eagle3LlamaForCausalLM computes."""
     model = real_model_or_skip(activations="fp32")
     head = _random_smollm2_head(tmp_path / "eagle3", model)
-    methods = f"ar,eagle3:{head},vllm,vllm-eagle3:{head}"
-    cmd = [*CLI, "bench", "--methods", methods, "--dataset", str(PROMPTS), "--limit", "2", "--activations", "fp32"]
-    cmd += ["--max-new-tokens", "48", "--batch", "1", "--no-plots", "--quiet", "--out", str(tmp_path / "out")]
-    env = {**os.environ, "BYBLOCK_VLLM_PYTHON": str(vllm_python)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads((tmp_path / "out" / "report.json").read_text())["datasets"][PROMPTS.stem]["methods"]
-    mine, theirs = rows[f"eagle3:{head}"], rows[f"vllm-eagle3:{head}"]
-    assert mine["mismatched_turns"] == 0 and theirs["mismatched_vs_engine"] == 0
+    mine, theirs = _byblock_and_vllm(tmp_path, vllm_python, f"eagle3:{head}", f"vllm-eagle3:{head}")
     assert theirs["tau"] is not None and abs(theirs["tau"] - mine["tau"]) <= 0.15, (theirs, mine)

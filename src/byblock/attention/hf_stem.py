@@ -115,14 +115,20 @@ def stem_attention_forward(module, query, key, value, attention_mask, scaling=No
     return out.transpose(1, 2).contiguous(), None
 
 
+def sparse_decode_config(config) -> StemConfig | None:
+    """The model config's StemConfig when `--sparse-decode` is on (decode and verify rows sparse), else None."""
+    cfg: StemConfig | None = getattr(config, "byblock_stem", None)
+    return cfg if cfg is not None and cfg.decode_blocks > 0 else None
+
+
 def _sparse_decode_rows(module, query, key, value, attention_mask, scaling, cache, kwargs) -> torch.Tensor | None:
     """[B, Lq, H, D] when `--sparse-decode` covers these rows (decoded or verified rows of a global-attention
     layer from `dense_layers` on), else None. Prompt chunks (chunked prefill, a cached continuation) attend
     densely, so a chunked prompt stays bitwise one prefill (kernels/ragged.py PROMPT_KWARG)."""
-    cfg: StemConfig | None = getattr(module.config, "byblock_stem", None)
+    cfg = sparse_decode_config(module.config)
     layer = getattr(module, "layer_idx", 0)
     decode = query.shape[2] < key.shape[2] and not kwargs.get(PROMPT_KWARG, False)
-    if cfg is None or not cfg.decode_blocks or not decode or layer < cfg.dense_layers:
+    if cfg is None or not decode or layer < cfg.dense_layers:
         return None
     if getattr(module, "sliding_window", None) is not None:
         return None
@@ -157,7 +163,7 @@ def sparse_decode_forward(module, query, key, value, attention_mask, scaling=Non
     if (batch := kwargs.pop(BATCH_KWARG, None)) is not None:
         return batch.attend(sparse_decode_forward, module, query, key, value, scaling=scaling, **kwargs)
     cache = kwargs.pop(CACHE_KWARG, None)
-    cfg: StemConfig | None = getattr(module.config, "byblock_stem", None)
+    cfg = sparse_decode_config(module.config)
     # Every row at a position below decode_min_tokens: the dense kernel, when it is the row kernel (CPU, fp32),
     # which gives such a row the bits the sparse path gives it (all its visible keys, in slot order), so a
     # verify that straddles the threshold still matches its decode steps. Elsewhere the sparse path decides.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from byblock.attention.hf_stem import NAME as STEM
-from byblock.attention.hf_stem import sparse_decode_forward
+from byblock.attention.hf_stem import sparse_decode_config, sparse_decode_forward
 from byblock.kernels.gqa_sdpa import NAME as GQA_SDPA
 from byblock.kernels.gqa_sdpa import gqa_sdpa_attention_forward
 from byblock.kernels.invariant import NAME as INVARIANT_ATTENTION
@@ -21,6 +21,7 @@ from byblock.kernels.ragged import BATCH_KWARG, CACHE_KWARG, PROMPT_KWARG, Packe
 from byblock.kv.h2o import H2OState, tree_parents
 from byblock.kv.kv_cache import KVCache, StreamingWindow
 from byblock.models.decoder import DecoderForward
+from byblock.models.masks import tree_attention_mask
 
 
 @dataclass(frozen=True)
@@ -129,28 +130,24 @@ class TargetModel:
     @property
     def _decoder_runs(self) -> bool:
         """Whether byblock's decoder forward can run now: it exists and attention is still byblock's kernel (Stem
-        and the bf16 row-invariant attention swap transformers' attention function)."""
+        and the bf16 row-invariant attention swap transformers' attention function), or Stem is on for
+        `--sparse-decode` alone (no sparse prefill), which the decoder runs through `sparse_decode_forward`."""
         if self.decoder is None:
             return False
         impl = self.hf.config._attn_implementation
-        return impl == GQA_SDPA or (impl == STEM and self._sparse_decode_only)
-
-    @property
-    def _sparse_decode_only(self) -> bool:
-        """Stem switched on for `--sparse-decode` alone (no sparse prefill): the decoder forward runs it."""
-        stem = getattr(self.hf.config, "byblock_stem", None)
-        return stem is not None and stem.decode_blocks > 0 and not stem.prefill
+        decode_only = (sparse := sparse_decode_config(self.hf.config)) is not None and not sparse.prefill
+        return impl == GQA_SDPA or (impl == STEM and decode_only)
 
     @property
     def _decoder_attention(self):
         """The attention function byblock's decoder forward calls (dense, or sparse decode beside dense)."""
-        return sparse_decode_forward if self._sparse_decode_only else gqa_sdpa_attention_forward
+        return sparse_decode_forward if self.hf.config._attn_implementation == STEM else gqa_sdpa_attention_forward
 
-    @property
-    def _hands_cache_to_attention(self) -> bool:
-        """Whether attention gets the rows' KVCache: sparse decode keeps its block summaries there."""
-        stem = getattr(self.hf.config, "byblock_stem", None)
-        return stem is not None and stem.decode_blocks > 0
+    def _tree_mask(self, past, positions, tree_mask, cache_pos=None, window=None):
+        """models/masks.py's tree_attention_mask for this model's dtype, device and sliding window."""
+        return tree_attention_mask(
+            past, positions, tree_mask, self.dtype, self.device, self.sliding_window, cache_pos, window
+        )
 
     def _own_forward_applies(self, cache: KVCache) -> bool:
         """Whether byblock's decoder forward computes this cache's forward exactly (no KV policy that hooks
@@ -182,7 +179,7 @@ class TargetModel:
             mask = self._segment_masks(cache, positions[0], tree_mask)["full_attention"]
         cache.record(positions[0])
         extra: dict = {PROMPT_KWARG: True} if prompt else {}
-        if self._hands_cache_to_attention:
+        if sparse_decode_config(self.hf.config) is not None:  # it keeps its block summaries in the cache
             extra[CACHE_KWARG] = cache
         fn = self._decoder_attention
 
@@ -225,40 +222,6 @@ class TargetModel:
         """An empty KV cache for one sequence batch (quantized when `kv_bits` is set)."""
         per_head = H2OState(self.h2o.cfg) if self.h2o is not None else None
         return KVCache(self.kv_bits, self.kv_window, per_head, device=self.device)
-
-    def tree_attention_mask(
-        self,
-        past: int,
-        positions: torch.Tensor,
-        tree_mask: torch.Tensor,
-        cache_pos: torch.Tensor | None = None,
-        window: StreamingWindow | None = None,
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Additive attention mask(s) for new tokens that see all `past` slots plus their tree ancestors.
-
-        positions: [T] absolute positions of the new tokens; tree_mask: [T, T] bool, True where query i may
-        see new token j (itself and its ancestors); cache_pos: [past] absolute positions of the cached slots
-        (default 0..past-1); window: StreamingLLM, each query sees only the sinks and its window.
-        Returns [1, 1, T, past+T] in the model dtype, or a dict per layer type for models with sliding-window
-        layers (the window is part of the mask, see kv_cache.py).
-        """
-        t = positions.numel()
-        dev = self.device
-        allowed = torch.ones(t, past + t, dtype=torch.bool, device=dev)
-        allowed[:, past:] = tree_mask
-        neg = torch.finfo(self.dtype).min
-        kv_pos = torch.cat([torch.arange(past, device=dev) if cache_pos is None else cache_pos, positions])
-        if window is not None:
-            in_window = (positions[:, None] - kv_pos[None, :]) < window.window
-            allowed &= in_window | (kv_pos[None, :] < window.sinks)
-
-        def additive(ok: torch.Tensor) -> torch.Tensor:
-            return torch.zeros(ok.shape, dtype=self.dtype, device=dev).masked_fill(~ok, neg)[None, None]
-
-        if self.sliding_window is None:
-            return additive(allowed)
-        in_window = (positions[:, None] - kv_pos[None, :]) < self.sliding_window
-        return {"full_attention": additive(allowed), "sliding_attention": additive(allowed & in_window)}
 
     def _windowed_prefill(
         self, input_ids: torch.Tensor, cache: KVCache, logits_to_keep: int, hidden_layers: tuple[int, ...]
@@ -336,9 +299,9 @@ class TargetModel:
             if bsz != 1 or attention_mask is not None:
                 raise ValueError("a StreamingLLM cache decodes one sequence at a time")
             causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril() if tree_mask is None else tree_mask
-            mask = self.tree_attention_mask(past, positions[0], causal, cache.pos, cache.window)
+            mask = self._tree_mask(past, positions[0], causal, cache.pos, cache.window)
         elif tree_mask is not None:
-            mask = self.tree_attention_mask(past, positions[0], tree_mask, cache.pos)
+            mask = self._tree_mask(past, positions[0], tree_mask, cache.pos)
         if self.h2o is not None:  # the H2O attention function walks the new tokens itself (kv/h2o.py)
             if cache.h2o is not None and (bsz != 1 or attention_mask is not None):
                 raise ValueError("an H2O cache decodes one sequence at a time")
@@ -352,7 +315,7 @@ class TargetModel:
         kwargs = {"input_ids": input_ids, "cache": cache.hf, "position_ids": positions, "attention_mask": mask}
         if prompt:
             kwargs[PROMPT_KWARG] = True
-        if self._hands_cache_to_attention:
+        if sparse_decode_config(self.hf.config) is not None:
             kwargs[CACHE_KWARG] = cache
         defer = defer_logits and self._defers_logits is True
         check = defer_logits and self._defers_logits is None
@@ -384,7 +347,7 @@ class TargetModel:
     ) -> dict[str, torch.Tensor | None]:
         """The mask(s) these rows get in a forward of their own, per layer type (built before the cache grows)."""
         if tree_mask is not None:
-            mask = self.tree_attention_mask(cache.length, positions, tree_mask, cache.pos)
+            mask = self._tree_mask(cache.length, positions, tree_mask, cache.pos)
             return mask if isinstance(mask, dict) else {"full_attention": mask}
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -467,7 +430,7 @@ class TargetModel:
         # A prepared 4D mask makes transformers skip building one over the packed rows (attention ignores it).
         skip = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev)
         keep = torch.tensor(logits_rows, dtype=torch.long, device=dev)
-        batch = PackedBatch(tuple(plan), with_cache=self._hands_cache_to_attention)
+        batch = PackedBatch(tuple(plan), with_cache=sparse_decode_config(self.hf.config) is not None)
         offsets = tuple(s.start for s in plan)
         if self._decoder_runs:
             fn = self._decoder_attention
