@@ -90,6 +90,15 @@ class _Rows:
         self.min_position = min_position
         self.shared: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, Hkv, n, D] over the committed prefix
 
+    def committed_extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(max, min) [B, Hkv, n, D] of the n full blocks before the new rows (kept or computed), once per forward:
+        every row's candidate blocks lie among them."""
+        if self.shared is None:
+            n = (self.key.shape[2] - self.query.shape[2]) // self.bs
+            summary = self.summary
+            self.shared = summary.extremes(self.key, n) if summary is not None else block_extremes(self.key, n, self.bs)
+        return self.shared
+
     def choose(self, bi: int, i: int) -> tuple[torch.Tensor, int, torch.Tensor | None, bool]:
         """-> (visible key slots, e, chosen blocks [Hkv, K] or None, whether the first e·b keys are slots 0..)."""
         lq, lk, bs = self.query.shape[2], self.key.shape[2], self.bs
@@ -100,12 +109,7 @@ class _Rows:
             return vis, end, None, True
         prefix = bool(vis[end * bs - 1] == end * bs - 1)
         if prefix:  # end·b <= p − W + 1 <= Lk − Lq: only committed slots are summarised
-            if self.shared is None:
-                n = (lk - lq) // bs
-                self.shared = (
-                    self.summary.extremes(self.key, n) if self.summary is not None else block_extremes(self.key, n, bs)
-                )
-            kmax, kmin = self.shared[0][bi, :, self.sinks : end], self.shared[1][bi, :, self.sinks : end]
+            kmax, kmin = (t[bi, :, self.sinks : end] for t in self.committed_extremes())
         else:  # padding or a compacted cache: the row's own keys, in its order
             kmax, kmin = block_extremes(self.key[bi][:, vis[: end * bs]], end, bs)
             kmax, kmin = kmax[:, self.sinks :], kmin[:, self.sinks :]
@@ -211,8 +215,8 @@ def _key_sets_together(rows: _Rows) -> tuple[torch.Tensor, int, int]:
     together = select & prefix
     keysets = keysets.clone()
     if bool(together.any()):
-        n = (lk - lq) // bs  # committed blocks: every candidate of every row lies among them
-        kmax, kmin = rows.summary.extremes(key, n) if rows.summary is not None else block_extremes(key, n, bs)
+        kmax, kmin = rows.committed_extremes()
+        n = kmax.shape[2]
         qg = query.transpose(1, 2).reshape(b, lq, hkv, h // hkv, 1, d)  # [B, Lq, Hkv, G, 1, D]
         lo, hi = kmax[:, None, :, None, sinks:], kmin[:, None, :, None, sinks:]  # [B, 1, Hkv, 1, n - s, D]
         bound = torch.maximum(qg * lo, qg * hi).sum(-1).sum(-2)  # [B, Lq, Hkv, n - s], each row's own values
