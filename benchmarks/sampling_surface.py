@@ -2,7 +2,9 @@
 grammar (llguidance masks), logprobs — each with plain decoding and with lossless drafters, on the default model.
 
 Per mode the drafters are checked token-identical to that mode's plain decoding (greedy, so a penalized or
-constrained plain answer is the reference), and logprobs equal to 1e-5. Methods interleave per prompt.
+constrained plain answer is the reference), and logprobs equal to 1e-5. Methods interleave per prompt. In the
+modes that adjust logits (penalties, grammar) each model drafter also runs "unadjusted": handed no DraftAdjust,
+as drafters ran before they saw the request's penalties and mask (the A/B of sampling/draft_adjust.py).
 
     python benchmarks/sampling_surface.py --limit 8 --max-new-tokens 96
 """
@@ -32,6 +34,31 @@ SCHEMA = {
 }
 
 
+class Unadjusted:
+    """A drafter never handed the request's adjustments (everything else delegated)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def start(self, prompt_ids, target_hidden, params, generator, adjust=None) -> None:
+        self.inner.start(prompt_ids, target_hidden, params, generator)
+
+    def propose(self, tokens, max_depth):
+        return self.inner.propose(tokens, max_depth)
+
+    def observe(self, verdict, target_hidden) -> None:
+        self.inner.observe(verdict, target_hidden)
+
+    def fork(self):
+        return Unadjusted(self.inner.fork())
+
+
+UNADJUSTED = " (unadjusted)"
+
+
 def modes(max_new: int) -> dict[str, SamplingParams]:
     """The sampling settings compared (all greedy)."""
     base = dict(max_new_tokens=max_new)
@@ -48,7 +75,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--drafters", default="none,ngram,adaptive-hybrid")
+    ap.add_argument("--drafters", default="none,ngram,dflash,adaptive-hybrid")
+    ap.add_argument("--modes", default="free,logprobs=5,penalties,json-schema")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = load_model(args.model)
@@ -59,23 +87,28 @@ def main() -> None:
     prompts = [model.encode_prompt(p.text + "\nAnswer as JSON.", chat=True) for p in load_dev(args.limit)]
     rows = []
     for mode, params in modes(args.max_new_tokens).items():
+        if mode not in args.modes.split(","):
+            continue
         for ids in prompts[:1]:  # warm-up (builds the grammar's tokenizer view once)
             generate(model, ids, params)
-        tot = {d: [0, 0.0, 0, 0] for d in drafters}  # tokens, seconds, rounds, emitted
-        mismatch = dict.fromkeys(drafters, 0)
+        arms = dict(drafters)
+        if params.adjusts_logits or params.grammar is not None:  # the A/B: the same drafters, unadjusted
+            arms.update({d + UNADJUSTED: Unadjusted(v) for d, v in drafters.items() if v and d != "ngram"})
+        tot = {d: [0, 0.0, 0, 0] for d in arms}  # tokens, seconds, rounds, emitted
+        mismatch = dict.fromkeys(arms, 0)
         for i, ids in enumerate(prompts):
-            names = list(drafters)
+            names = list(arms)
             names = names[i % len(names) :] + names[: i % len(names)]
             out = {}
             for d in names:
-                r = generate(model, ids, params, drafter=drafters[d].fork() if drafters[d] else None)
+                r = generate(model, ids, params, drafter=arms[d].fork() if arms[d] else None)
                 out[d] = r
                 t = tot[d]
                 t[0] += r.num_new_tokens
                 t[1] += r.total_s
                 t[2] += r.stats.rounds
                 t[3] += r.stats.emitted_by_rounds
-            for d in drafters:
+            for d in arms:
                 same = out[d].token_ids == out["none"].token_ids
                 if same and params.logprobs is not None:
                     same = all(
@@ -106,9 +139,10 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---|")
     for r in rows:
         tau = r["tau"] if r["tau"] is not None else "—"
+        vs_free = f"{r['tok_s'] / free['none']:.2f}×" if "none" in free else "—"  # free mode not run
         print(
-            f"| {r['mode']} | {r['drafter']} | {r['tok_s']} | {r['vs_mode_plain']:.2f}× | "
-            f"{r['tok_s'] / free['none']:.2f}× | {tau} | {r['identical']} |"
+            f"| {r['mode']} | {r['drafter']} | {r['tok_s']} | {r['vs_mode_plain']:.2f}× | {vs_free} | {tau} | "
+            f"{r['identical']} |"
         )
 
 

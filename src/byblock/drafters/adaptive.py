@@ -267,11 +267,11 @@ class AdaptiveDrafter:
         clone.clock = self.clock
         return clone
 
-    def start(self, prompt_ids, target_hidden, params: SamplingParams, generator) -> None:
+    def start(self, prompt_ids, target_hidden, params: SamplingParams, generator, adjust=None) -> None:
         """Reset per-request drafter state; acceptance statistics carry over (same model, same machine)."""
         self._params = params
         self._round = None  # the last round of the previous request ended with it, not at this propose
-        self.dflash.start(prompt_ids, target_hidden, params, generator)
+        self.dflash.start(prompt_ids, target_hidden, params, generator, adjust)
 
     def expected_chain(self) -> torch.Tensor:
         """E(d) for d = 0..B−1: expected tokens emitted by a round with a depth-d chain."""
@@ -402,7 +402,8 @@ class AdaptiveDrafter:
         return self.dflash.chain_from_logits(logits[:depth])
 
     def _tree(self, logits: torch.Tensor, draft_s: float) -> Draft:
-        logp = tree_logp(logits, self._params).cpu()  # trees are built on the host (one copy per round)
+        # Trees are built on the host: one copy of the block's log-probs per round.
+        logp = tree_logp(self.dflash.marginals(logits), self._params).cpu()
         ids, parents = build_tree(logp, self.max_budget)
         path_p, _ = self._path_probs(logp, ids, parents)  # [N] in pop order
         expected = 1 + (self.rho_num / self.rho_den) * path_p.cumsum(0)  # E(N) for N = 1..max
@@ -419,7 +420,8 @@ class AdaptiveDrafter:
         regime = int(look.num_nodes > 0)
         if self._load[0] > 0:
             look = self._rest_hybrid(look)
-        logp = tree_logp(logits, self._params).cpu()  # trees are built on the host (one copy per round)
+        # Trees are built on the host: one copy of the block's log-probs per round.
+        logp = tree_logp(self.dflash.marginals(logits), self._params).cpu()
         ids, parents = build_tree(logp, self.max_budget)
         path_p, depth = self._path_probs(logp, ids, parents)  # [N], depths
         toks = self.dflash.ids_to_target(ids)

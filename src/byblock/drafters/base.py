@@ -6,6 +6,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from byblock.sampling.draft_adjust import DraftAdjust
 from byblock.sampling.params import SamplingParams
 from byblock.verify.types import Draft, Verdict
 
@@ -27,8 +28,10 @@ class Drafter(Protocol):
         target_hidden: torch.Tensor | None,
         params: SamplingParams,
         generator: torch.Generator | None,
+        adjust: DraftAdjust | None = None,
     ) -> None:
-        """Reset per-request state. target_hidden: [1, T, k*H] for the prompt when hidden_layers is set."""
+        """Reset per-request state. target_hidden: [1, T, k*H] for the prompt when hidden_layers is set;
+        adjust: the request's penalties / grammar mask, for drafters that score tokens (sampling/draft_adjust.py)."""
         ...
 
     def propose(self, tokens: list[int], max_depth: int) -> Draft:
@@ -62,6 +65,7 @@ class StatelessDrafter:
         target_hidden: torch.Tensor | None,
         params: SamplingParams,
         generator: torch.Generator | None,
+        adjust: DraftAdjust | None = None,
     ) -> None:
         """Nothing to reset."""
 

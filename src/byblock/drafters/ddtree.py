@@ -25,8 +25,10 @@ def tree_logp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Log-probs a tree is built from: the raw draft distribution when greedy, else the processed one
     (the distribution the target will be sampled from, mirrored). logits [..., V] -> [..., V]."""
     if params.greedy:
-        return torch.log_softmax(logits.float(), dim=-1)
-    return process_logits(logits, params).clamp_min(1e-30).log()
+        logp = torch.log_softmax(logits.float(), dim=-1)
+    else:
+        logp = process_logits(logits, params).clamp_min(1e-30).log()
+    return logp.masked_fill(logp.isnan(), float("-inf"))  # a row a grammar masks entirely: no token to draft
 
 
 def build_tree(logp: torch.Tensor, budget: int, top_k: int | None = None) -> tuple[list[int], list[int]]:
@@ -40,6 +42,8 @@ def build_tree(logp: torch.Tensor, budget: int, top_k: int | None = None) -> tup
     vals_l, ids_l = vals.tolist(), ids.tolist()
     tokens: list[int] = []
     parents: list[int] = []
+    if vals_l[0][0] == float("-inf"):  # nothing allowed at depth 1
+        return tokens, parents
     # heap item: (−score, tie-break, depth, rank, parent node, parent's score)
     heap = [(-vals_l[0][0], 0, 0, 0, -1, 0.0)]
     counter = 1
@@ -78,6 +82,8 @@ def build_tree_lazy(
         return sorted_children[node]
 
     vals0, _ = children_of(-1, -1, -1, 0)
+    if vals0[0] == float("-inf"):  # nothing allowed at depth 1
+        return tokens, parents
     heap = [(-vals0[0], 0, 0, -1, 0.0, 0)]  # (−score, tie, rank, parent node, parent's score, depth index)
     counter = 1
     while heap and len(tokens) < budget:
@@ -110,10 +116,10 @@ class DDTreeDrafter:
         self.hidden_layers = dflash.hidden_layers
         self._params = SamplingParams()
 
-    def start(self, prompt_ids, target_hidden, params: SamplingParams, generator) -> None:
+    def start(self, prompt_ids, target_hidden, params: SamplingParams, generator, adjust=None) -> None:
         """Reset the underlying DFlash state."""
         self._params = params
-        self.dflash.start(prompt_ids, target_hidden, params, generator)
+        self.dflash.start(prompt_ids, target_hidden, params, generator, adjust)
 
     def fork(self) -> DDTreeDrafter:
         """Same backbone weights and budget, its own DFlash state."""
@@ -128,7 +134,8 @@ class DDTreeDrafter:
         depth = min(self.block_size, max_depth)
         logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [depth, Vd]
         # The tree is built on the host: one copy of the block's log-probs per round, not one sync per node.
-        ids, parents = build_tree(tree_logp(logits, self._params).cpu(), self.budget, self.top_k)
+        logp = tree_logp(self.dflash.marginals(logits), self._params).cpu()
+        ids, parents = build_tree(logp, self.budget, self.top_k)
         return Draft.tree(self.dflash.ids_to_target(ids), parents)
 
     def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:

@@ -21,6 +21,7 @@ from byblock.errors import ByblockError
 from byblock.kernels import invariant_head
 from byblock.models.adapter import TargetModel
 from byblock.models.devices import device_clock
+from byblock.sampling.draft_adjust import DraftAdjust
 from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import process_logits, sample
 from byblock.verify.types import Draft, Verdict
@@ -91,6 +92,7 @@ class DFlashDrafter:
         self._pending_start = 0  # position of the first pending feature
         self._params = SamplingParams()
         self._generator: torch.Generator | None = None
+        self.adjust: DraftAdjust | None = None  # the request's penalties / grammar, applied to the draft rows
         self._vocab_host: list[int] | None = None  # draft_vocab as a list, made on first host-side use
         # (anchor position, logits [D, Vd], states [D, H], its share of the batched forward's seconds)
         self._prefetched: tuple[int, torch.Tensor, torch.Tensor, float] | None = None
@@ -102,10 +104,12 @@ class DFlashDrafter:
         target_hidden: torch.Tensor | None,
         params: SamplingParams,
         generator: torch.Generator | None,
+        adjust: DraftAdjust | None = None,
     ) -> None:
         """Reset; the prompt's features become the first context."""
         if target_hidden is None:
             raise ByblockError("the DFlash drafter needs the target's hidden states")
+        self.adjust = adjust
         self._cache = [[] for _ in self.model.layers]
         self._pending = target_hidden[0]
         self._pending_start = 0
@@ -117,6 +121,7 @@ class DFlashDrafter:
         clone = copy.copy(self)
         clone._cache, clone._pending, clone._pending_start = [], None, 0
         clone._params, clone._generator, clone._prefetched, clone._borrowed_s = SamplingParams(), None, None, 0.0
+        clone.adjust = None
         return clone
 
     def block_request(self, tokens: list[int], max_depth: int) -> tuple[DFlashDrafter, int] | None:
@@ -207,12 +212,22 @@ class DFlashDrafter:
         return [self._vocab_host[i] for i in ids]
 
     def chain_from_logits(self, logits: torch.Tensor) -> Draft:
-        """A chain from draft logits [depth, Vd]: argmax when greedy, else a draw with its q recorded."""
+        """A chain from draft logits [depth, Vd]: argmax when greedy, else a draw with its q recorded. With the
+        request's adjustments, each position is adjusted with the path drafted before it."""
+        if self.adjust is not None:
+            ids, qs = self.adjust.chain(logits, self._params, self._generator, self.draft_vocab)
+            small = torch.tensor(ids, dtype=torch.long, device=logits.device)
+            tokens, q = self.to_target(small, torch.stack(qs) if qs else None)
+            return Draft.chain(tokens, q=q)
         if self._params.greedy:
             return Draft.chain(self.to_target(logits.argmax(-1))[0])
         q_small = process_logits(logits, self._params)  # [depth, Vd]
         tokens, q = self.to_target(sample(q_small, self._generator), q_small)
         return Draft.chain(tokens, q=q)
+
+    def marginals(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [D, Vd] as a tree is built from them (paths unknown): adjusted per DraftAdjust.rows."""
+        return logits if self.adjust is None else self.adjust.rows(logits, self.draft_vocab)
 
     def propose(self, tokens: list[int], max_depth: int) -> Draft:
         """A chain of up to B−1 tokens after tokens[-1] (q set when sampling)."""

@@ -136,10 +136,10 @@ class DominoDrafter:
         self._params = SamplingParams()
         self._generator: torch.Generator | None = None
 
-    def start(self, prompt_ids, target_hidden, params: SamplingParams, generator) -> None:
+    def start(self, prompt_ids, target_hidden, params: SamplingParams, generator, adjust=None) -> None:
         """Reset the backbone's state."""
         self._params, self._generator = params, generator
-        self.dflash.start(prompt_ids, target_hidden, params, generator)
+        self.dflash.start(prompt_ids, target_hidden, params, generator, adjust)
 
     def fork(self) -> DominoDrafter:
         """Same backbone weights and head, its own DFlash state."""
@@ -168,14 +168,19 @@ class DominoDrafter:
             return self._chain(base, h, emb_anchor, depth)
 
     def _chain(self, base, h, emb_anchor, depth) -> Draft:
-        picked, qs = [], []
+        picked, qs, path = [], [], []  # path: the picked tokens as target ids (what the adjustments count)
         state = None
         prev_emb = emb_anchor
+        adjust, vocab = self.dflash.adjust, self.dflash.draft_vocab
         for k in range(depth):
             res, state = self.head.step(h[k : k + 1], prev_emb, state)
             logits = base[k].float()
             if k >= self.head.config.pure_draft_prefix_len:
                 logits = logits + res[0].float()
+            if adjust is not None:
+                logits = adjust.row(logits, path, vocab)
+                if float(logits.max()) == float("-inf"):  # the grammar allows none of the draft vocabulary
+                    break
             if self._params.greedy:
                 t = int(logits.argmax())
             else:
@@ -183,6 +188,7 @@ class DominoDrafter:
                 t = int(sample(q, self._generator))
                 qs.append(q)
             picked.append(t)
+            path.extend(self.dflash.ids_to_target([t]))
             prev_emb = self._embed(t)
         ids = torch.tensor(picked, dtype=torch.long, device=self.dflash.device)
         tokens, q = self.dflash.to_target(ids, torch.stack(qs) if qs else None)  # q: [D, V] when sampling
@@ -191,6 +197,8 @@ class DominoDrafter:
     def _tree(self, base, h, emb_anchor, depth) -> Draft:
         """DominoTree: a node's children distribution depends on its path, computed when it is expanded."""
         ctx_state: dict[int, torch.Tensor] = {}  # node -> GRU state after reading the node's token (−1: anchor)
+        paths: dict[int, list[int]] = {-1: []}  # node -> its path's target ids (what the adjustments count)
+        adjust, vocab = self.dflash.adjust, self.dflash.draft_vocab
 
         def expand(node: int, parent: int, token: int, child_index: int) -> torch.Tensor:
             prev = emb_anchor if node < 0 else self._embed(token)
@@ -199,6 +207,10 @@ class DominoDrafter:
             logits = base[child_index].float()
             if child_index >= self.head.config.pure_draft_prefix_len:
                 logits = logits + res[0].float()
+            if adjust is not None:  # a node's path is known when it is expanded: its own adjustment, exactly
+                if node >= 0:
+                    paths[node] = [*paths[parent], *self.dflash.ids_to_target([token])]
+                logits = adjust.row(logits, paths[node], vocab)
             return tree_logp(logits, self._params)
 
         ids, parents = build_tree_lazy(expand, depth, self.tree_budget)

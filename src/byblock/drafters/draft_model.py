@@ -10,6 +10,7 @@ import torch
 
 from byblock.errors import ByblockError
 from byblock.models.adapter import TargetModel
+from byblock.sampling.draft_adjust import DraftAdjust
 from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import process_logits, sample
 from byblock.verify.types import Draft, Verdict
@@ -46,6 +47,7 @@ class ModelDrafter:
         self.target_vocab = target_vocab
         self.params = SamplingParams()
         self.generator: torch.Generator | None = None
+        self.adjust: DraftAdjust | None = None  # the request's penalties / grammar, applied to the draft rows
         self.cache = draft.new_cache()
         self.cached: list[int] = []
 
@@ -55,9 +57,10 @@ class ModelDrafter:
         target_hidden: torch.Tensor | None,
         params: SamplingParams,
         generator: torch.Generator | None,
+        adjust: DraftAdjust | None = None,
     ) -> None:
         """Fresh cache per request."""
-        self.params, self.generator = params, generator
+        self.params, self.generator, self.adjust = params, generator, adjust
         self.cache = self.draft.new_cache()
         self.cached = []
 
@@ -75,6 +78,13 @@ class ModelDrafter:
             return q / q.sum()
         return torch.nn.functional.pad(q, (0, self.target_vocab - v))
 
+    def _fit_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [V_d] cut or padded (at -inf) to the target vocabulary."""
+        v = logits.shape[-1]
+        if v >= self.target_vocab:
+            return logits[: self.target_vocab]
+        return torch.nn.functional.pad(logits.float(), (0, self.target_vocab - v), value=float("-inf"))
+
     def propose(self, tokens: list[int], max_depth: int) -> Draft:
         """γ = min(block_size, max_depth) tokens; greedy or sampled with q recorded for rejection sampling."""
         gamma = min(self.block_size, max_depth, self.draft.max_context - len(tokens))
@@ -89,6 +99,10 @@ class ModelDrafter:
         xs: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(gamma):
+            if self.adjust is not None:  # in the target's vocabulary, after the committed output and xs
+                logits = self.adjust.row(self._fit_logits(logits), xs)
+                if float(logits.max()) == float("-inf"):
+                    break
             if self.params.greedy:
                 x = int(logits[: self.target_vocab].argmax())
             else:

@@ -19,9 +19,11 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from byblock.drafters.ddtree import tree_logp
 from byblock.drafters.eagle3_model import Eagle3DraftModel, StepKV
 from byblock.errors import ByblockError
 from byblock.models.adapter import TargetModel
+from byblock.sampling.draft_adjust import DraftAdjust
 from byblock.sampling.params import SamplingParams
 from byblock.sampling.processors import process_logits, sample
 from byblock.verify.types import Draft, Verdict
@@ -68,6 +70,7 @@ class Eagle3Drafter:
         self._pending_start = 0
         self._params = SamplingParams()
         self._generator: torch.Generator | None = None
+        self._adjust: DraftAdjust | None = None  # the request's penalties / grammar, applied to the draft rows
 
     def start(
         self,
@@ -75,18 +78,19 @@ class Eagle3Drafter:
         target_hidden: torch.Tensor | None,
         params: SamplingParams,
         generator: torch.Generator | None,
+        adjust: DraftAdjust | None = None,
     ) -> None:
         """Reset; the prompt's features become the first context."""
         if target_hidden is None:
             raise ByblockError("the EAGLE-3 drafter needs the target's hidden states")
         self._cache, self._pending, self._pending_start = [], target_hidden[0], 0
-        self._params, self._generator = params, generator
+        self._params, self._generator, self._adjust = params, generator, adjust
 
     def fork(self) -> Eagle3Drafter:
         """Shares the network and embedding; fresh per-request state (set by start)."""
         clone = copy.copy(self)
         clone._cache, clone._pending, clone._pending_start = [], None, 0
-        clone._params, clone._generator = SamplingParams(), None
+        clone._params, clone._generator, clone._adjust = SamplingParams(), None, None
         return clone
 
     def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
@@ -117,10 +121,11 @@ class Eagle3Drafter:
         self._pending, self._pending_start = self._pending[:0], start + c
         return out[0, -1]
 
-    def _logp(self, logits: torch.Tensor) -> torch.Tensor:
-        if self._params.greedy:
-            return torch.log_softmax(logits.float(), dim=-1)
-        return process_logits(logits, self._params).clamp_min(1e-30).log()
+    def _logp(self, logits: torch.Tensor, path: list[int] | None = None) -> torch.Tensor:
+        """Log-probs [Vd] of the children of the node whose path (target ids) is `path`."""
+        if self._adjust is not None:
+            logits = self._adjust.row(logits, path or [], self.vocab)
+        return tree_logp(logits, self._params)
 
     def ids_to_target(self, ids: list[int]) -> list[int]:
         """Draft-vocabulary ids -> target ids (host side)."""
@@ -143,6 +148,10 @@ class Eagle3Drafter:
         greedy = self._params.greedy
         for d in range(depth):
             logits = m.logits(out)  # [Vd]
+            if self._adjust is not None:  # the row after the committed output and the chain so far
+                logits = self._adjust.row(logits, self.ids_to_target(drafted), self.vocab)
+                if float(logits.max()) == float("-inf"):  # the grammar allows none of the draft vocabulary
+                    break
             if greedy:
                 x = int(logits.argmax())
             else:
@@ -176,6 +185,8 @@ class Eagle3Drafter:
         vals, ids = logp.topk(min(k, logp.numel()))
         frontier = []  # node indices whose children the next step scores
         for v, i in zip(vals.tolist(), ids.tolist(), strict=True):
+            if v == float("-inf"):  # refused by the grammar
+                break
             frontier.append(len(node_ids))
             node_ids.append(i)
             parents.append(-1)
@@ -184,6 +195,8 @@ class Eagle3Drafter:
         drafted_rows: list[int] = []  # node index of every drafted key column, in column order
         for d in range(1, depth):
             n = len(frontier)
+            if not n:
+                break
             ids_t = self.vocab[torch.tensor([node_ids[f] for f in frontier], device=self.device)]
             pos = torch.full((1, n), root_pos + d - 1, device=self.device)
             # Row r (frontier node f) sees every committed key, the drafted keys of f's ancestors, and itself.
@@ -202,13 +215,24 @@ class Eagle3Drafter:
             h, kv = m.step(self._embed(ids_t)[None], frontier_out[None], pos, past, mask)
             past.append(kv)
             drafted_rows.extend(frontier)
-            child_logp = self._logp(m.logits(h[0]))  # [n, Vd]
+            child_logits = m.logits(h[0])  # [n, Vd]
+            if self._adjust is None:
+                child_logp = self._logp(child_logits)
+            else:  # each frontier node's children after its own path
+                child_logp = torch.stack(
+                    [
+                        self._logp(r, self._path(f, node_ids, parents))
+                        for f, r in zip(frontier, child_logits, strict=True)
+                    ]
+                )
             base = torch.tensor([scores[f] for f in frontier], device=child_logp.device)[:, None]
             top_v, top_i = child_logp.topk(min(k, child_logp.shape[-1]), dim=-1)  # [n, k]
             cand = (base + top_v).flatten()
             keep_v, keep = cand.topk(min(k, cand.numel()))
             new_frontier, rows = [], []
             for v, c in zip(keep_v.tolist(), keep.tolist(), strict=True):
+                if v == float("-inf"):  # refused by the grammar
+                    break
                 r, j = divmod(c, top_i.shape[1])
                 new_frontier.append(len(node_ids))
                 node_ids.append(int(top_i[r, j]))
@@ -217,6 +241,14 @@ class Eagle3Drafter:
                 rows.append(r)
             frontier, frontier_out = new_frontier, h[0, rows]
         return self._select(node_ids, parents, scores)
+
+    def _path(self, node: int, node_ids: list[int], parents: list[int]) -> list[int]:
+        """The target ids on the path from the root to `node` (inclusive)."""
+        path = []
+        while node >= 0:
+            path.append(node_ids[node])
+            node = parents[node]
+        return self.ids_to_target(path[::-1])
 
     def _select(self, node_ids: list[int], parents: list[int], scores: list[float]) -> Draft:
         """The `budget` best nodes by cumulative log-prob, in creation order (topological). Adding a log-prob

@@ -53,9 +53,9 @@ class HybridDrafter:
         self.block_size = max(ngram.block_size, ddtree.block_size)
         self.hidden_layers = ddtree.hidden_layers
 
-    def start(self, prompt_ids, target_hidden, params, generator) -> None:
+    def start(self, prompt_ids, target_hidden, params, generator, adjust=None) -> None:
         """Reset the model drafter (lookup is stateless)."""
-        self.ddtree.start(prompt_ids, target_hidden, params, generator)
+        self.ddtree.start(prompt_ids, target_hidden, params, generator, adjust)
 
     def fork(self) -> HybridDrafter:
         """The (stateless) lookup shared, the model drafter forked."""

@@ -4,6 +4,7 @@ Every decoding loop — plain, speculative, and the batched engine's rounds — 
 object, so a request makes the same choices whichever loop runs it:
 
     choose   one row  -> adjust (penalties, logit bias, grammar mask) -> argmax or draw -> TokenEvent (+ logprob)
+    adjust   the same adjustments for the drafter's own rows (draft_adjust, handed to Drafter.start)
     trim     a drafted chain -> cut at the first token the grammar refuses (it could never be accepted)
     verify   N+1 rows -> adjust each row with its own path -> verify(draft) -> a + 1 TokenEvents
              (with a SpecGuardConfig, then the step check may keep more of a chain: NOT lossless,
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from byblock.engine.types import TokenEvent
+from byblock.sampling.draft_adjust import DraftAdjust
 from byblock.sampling.grammar import Constraint
 from byblock.sampling.logprobs import token_logprob
 from byblock.sampling.params import SamplingParams
@@ -48,6 +50,8 @@ class TokenSelector:
         if params.grammar is not None:
             self.grammar = Constraint(params.grammar, target.tokenizer, vocab, tuple(target.eos_token_ids), dev)
         self.adjusted = self.penalties is not None or self.grammar is not None
+        # The same adjustments for the drafter's rows (acceptance only: verification is lossless without them).
+        self.draft_adjust = DraftAdjust(self.penalties, self.grammar, vocab) if self.adjusted else None
         self.k = params.logprobs
         self.guard = guard
         self.guard_ends = delimiter_ids(target.tokenizer, guard) if guard is not None else frozenset()

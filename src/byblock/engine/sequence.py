@@ -207,12 +207,12 @@ class Sequence:
             self.phase, self._prefill_hidden = Phase.RUNNING, []
             if self.tokens:  # recomputed after a preemption: the root is already chosen
                 if self.drafter is not None:
-                    self.drafter.start(self.tokens[:-1], hidden, self.params, self.generator)
+                    self.drafter.start(self.tokens[:-1], hidden, self.params, self.generator, self.select.draft_adjust)
                 return []
             event = self.select.choose(first_logits[0])
             self.tokens = [*self.prompt_ids, event.token_id]
             if self.drafter is not None:
-                self.drafter.start(self.prompt_ids, hidden, self.params, self.generator)
+                self.drafter.start(self.prompt_ids, hidden, self.params, self.generator, self.select.draft_adjust)
             return [event]
         draft = rnd.draft
         if draft is None:  # a plain step

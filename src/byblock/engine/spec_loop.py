@@ -52,7 +52,7 @@ def speculative_decode(
     )  # logits [1, 1, V]; hidden [1, T, k*H] or None
     first = select.choose(out.logits[0, -1])
     tokens = [*prompt_ids, first.token_id]
-    drafter.start(prompt_ids, out.hidden, params, generator)
+    drafter.start(prompt_ids, out.hidden, params, generator, select.draft_adjust)
     yield first
     emitted = 1
     while True:

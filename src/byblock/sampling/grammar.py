@@ -143,6 +143,10 @@ class Constraint:
 
         A walk may read a row past an EOS the grammar ended on (it stops at EOS later, in the output
         processor): such a row allows EOS only, as the ended matcher does in plain decoding."""
+        return logits.float().masked_fill(~self.allowed(path), float("-inf"))
+
+    def allowed(self, path: list[int] = ()) -> torch.Tensor:  # type: ignore[assignment]
+        """[V] bool: the tokens the grammar accepts after the committed output and `path` (see row)."""
         m = self.matcher
         consumed = m.try_consume_tokens(list(path)) if path else 0
         ended = False
@@ -154,7 +158,7 @@ class Constraint:
         allowed = self._eos_only if ended else self._allowed()
         if consumed:
             m.rollback(consumed)
-        return logits.float().masked_fill(~allowed, float("-inf"))
+        return allowed
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` (a drafted chain) the grammar accepts in order from the committed state."""

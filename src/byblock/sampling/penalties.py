@@ -38,23 +38,56 @@ class Penalties:
         if params.logit_bias:
             ids, values = zip(*params.logit_bias, strict=True)
             self.bias[torch.tensor(ids, device=device)] = torch.tensor(values, dtype=torch.float32, device=device)
+        # The only ids any adjustment changes: the prompt's (repetition), the output's, the biased ones. A row is
+        # adjusted at these alone (a few hundred of a 49K vocabulary), the rest is left as it is — the same
+        # values as the dense formula, whose terms are all zero there.
+        self._touched = {*(prompt_ids if params.repetition_penalty != 1.0 else ()), *(i for i, _ in params.logit_bias)}
+        self._touched_ids: torch.Tensor | None = None
 
     def append(self, tokens: list[int]) -> None:
         """Tokens committed to the output."""
         if tokens:
             idx = torch.tensor(tokens, dtype=torch.long, device=self.device)
             self.counts.index_add_(0, idx, torch.ones(len(tokens), device=self.device))
+            if not self._touched.issuperset(tokens):
+                self._touched.update(tokens)
+                self._touched_ids = None
+
+    @property
+    def only_lowers(self) -> bool:
+        """Whether one more occurrence of a token can only lower its logit (repetition >= 1, presence and
+        frequency >= 0)."""
+        p = self.params
+        return p.repetition_penalty >= 1.0 and p.presence_penalty >= 0.0 and p.frequency_penalty >= 0.0
+
+    def touched(self, extra: list[int] = ()) -> torch.Tensor:  # type: ignore[assignment]
+        """[k] int64: the ids an adjustment may change, `extra` (path tokens) included."""
+        if self._touched_ids is None:
+            self._touched_ids = torch.tensor(sorted(self._touched), dtype=torch.long, device=self.device)
+        if extra and not self._touched.issuperset(extra):
+            return torch.tensor(sorted(self._touched.union(extra)), dtype=torch.long, device=self.device)
+        return self._touched_ids
 
     def row(self, logits: torch.Tensor, extra: list[int] = ()) -> torch.Tensor:  # type: ignore[assignment]
-        """logits [V] of a row whose output continues the committed one with `extra` -> adjusted float32 [V]."""
-        p = self.params
-        counts = self.counts
+        """logits [..., V] of rows whose output continues the committed one with `extra` -> adjusted float32."""
+        ids = self.touched(extra)
+        counts = self.counts[ids]
         if extra:
-            idx = torch.tensor(extra, dtype=torch.long, device=self.device)
-            counts = counts.index_add(0, idx, torch.ones(len(extra), device=self.device))
-        x = logits.float()
+            pos = torch.searchsorted(ids, torch.tensor(extra, dtype=torch.long, device=self.device))
+            counts = counts.index_add(0, pos, torch.ones(len(extra), device=self.device))
+        x = logits.float().clone()
+        x[..., ids] = self._apply(x[..., ids], counts, self.prompt_seen[ids], self.bias[ids])
+        return x
+
+    def at(self, logits: torch.Tensor, ids: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        """The adjusted values at token `ids` [k] only, given their raw logits [k] and `extra` [k] occurrences on
+        top of the committed counts: equal, value for value, to row()'s at those ids (the same operations)."""
+        return self._apply(logits.float(), self.counts[ids] + extra, self.prompt_seen[ids], self.bias[ids])
+
+    def _apply(self, x: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor, bias: torch.Tensor):
+        p = self.params
         if p.repetition_penalty != 1.0:
-            seen = self.prompt_seen | (counts > 0)
+            seen = prompt_seen | (counts > 0)
             r = p.repetition_penalty
             x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
         if p.frequency_penalty:
@@ -62,5 +95,5 @@ class Penalties:
         if p.presence_penalty:
             x = x - p.presence_penalty * (counts > 0).float()
         if p.logit_bias:
-            x = x + self.bias
+            x = x + bias
         return x
