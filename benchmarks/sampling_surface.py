@@ -94,7 +94,7 @@ def main() -> None:
         arms = dict(drafters)
         if params.adjusts_logits or params.grammar is not None:  # the A/B: the same drafters, unadjusted
             arms.update({d + UNADJUSTED: Unadjusted(v) for d, v in drafters.items() if v and d != "ngram"})
-        tot = {d: [0, 0.0, 0, 0] for d in arms}  # tokens, seconds, rounds, emitted
+        tot = {d: [0, 0.0, 0, 0, 0.0] for d in arms}  # tokens, seconds, rounds, emitted, drafting seconds
         mismatch = dict.fromkeys(arms, 0)
         for i, ids in enumerate(prompts):
             names = list(arms)
@@ -108,6 +108,7 @@ def main() -> None:
                 t[1] += r.total_s
                 t[2] += r.stats.rounds
                 t[3] += r.stats.emitted_by_rounds
+                t[4] += r.stats.draft_s
             for d in arms:
                 same = out[d].token_ids == out["none"].token_ids
                 if same and params.logprobs is not None:
@@ -117,7 +118,7 @@ def main() -> None:
                     )
                 mismatch[d] += not same
         base = tot["none"][0] / tot["none"][1]
-        for d, (n, s, rounds, emitted) in tot.items():
+        for d, (n, s, rounds, emitted, draft_s) in tot.items():
             rows.append(
                 {
                     "mode": mode,
@@ -126,6 +127,7 @@ def main() -> None:
                     "tok_s": round(n / s, 2),
                     "vs_mode_plain": round(n / s / base, 3),
                     "tau": round(emitted / rounds, 2) if d != "none" and rounds else None,
+                    "draft_ms": round(draft_s / rounds * 1e3, 2) if d != "none" and rounds else None,
                     "identical": f"{len(prompts) - mismatch[d]}/{len(prompts)}",
                 }
             )
@@ -135,14 +137,15 @@ def main() -> None:
         f"\nmachine: {describe_machine()}; model {args.model} ({model.weights}); {len(prompts)} dev prompts, "
         f"{args.max_new_tokens} new tokens, greedy, batch 1\n"
     )
-    print("| mode | drafter | tok/s | vs the mode's plain | vs free plain | τ | identical to the mode's plain |")
-    print("|---|---|---:|---:|---:|---:|---|")
+    print("| mode | drafter | tok/s | vs the mode's plain | vs free plain | τ | draft ms / round | identical |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
     for r in rows:
         tau = r["tau"] if r["tau"] is not None else "—"
         vs_free = f"{r['tok_s'] / free['none']:.2f}×" if "none" in free else "—"  # free mode not run
+        draft_ms = r["draft_ms"] if r["draft_ms"] is not None else "—"
         print(
             f"| {r['mode']} | {r['drafter']} | {r['tok_s']} | {r['vs_mode_plain']:.2f}× | {vs_free} | {tau} | "
-            f"{r['identical']} |"
+            f"{draft_ms} | {r['identical']} |"
         )
 
 

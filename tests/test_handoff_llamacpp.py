@@ -124,3 +124,111 @@ def test_llama_server_drafts_with_the_export(tmp_path):
     assert rows["llamacpp-dflash"]["tau"] > 1.2  # it loaded the drafter and accepted its tokens
     # llama.cpp's drafting is lossless against its own plain decoding
     assert rows["llamacpp-lookup"]["mismatched_vs_engine"] == rows["llamacpp-dflash"]["mismatched_vs_engine"] == 0
+
+
+# ---- EAGLE-3 heads as llama.cpp's `eagle3` GGUF ---------------------------------------------------------------
+
+
+def _eagle3_export(tmp_path, tiny_targets, vocab=None):
+    from tiny import make_eagle3
+
+    from byblock.drafters.eagle3_format import save_eagle3
+    from byblock.handoff.llamacpp import export_llamacpp_eagle3
+
+    target = tiny_targets["llama"]
+    model = make_eagle3(target, draft_vocab=vocab)
+    src = save_eagle3(model, tmp_path / "eagle3", torch.float32)
+    tgt = _tiny_target_gguf(tmp_path / "target.gguf", target.vocab_size)
+    return model, export_llamacpp_eagle3(src, tmp_path / "e3.gguf", tgt, block_size=5)
+
+
+def _interleaved_rope(x, pos, theta):
+    """llama.cpp's LLAMA-style RoPE: adjacent pairs (2i, 2i+1) rotate by pos * theta^(-2i/d)."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = pos[:, None] * inv  # [T, d/2]
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = a * ang.cos() - b * ang.sin()
+    out[..., 1::2] = a * ang.sin() + b * ang.cos()
+    return out
+
+
+@pytest.mark.parametrize("vocab_map", [False, True])
+def test_eagle3_export_writes_llama_cpps_eagle3_gguf(tmp_path, tiny_targets, vocab_map):
+    vocab = torch.tensor(sorted({0, 1, 2, *range(3, 320, 3)})) if vocab_map else None
+    model, out = _eagle3_export(tmp_path, tiny_targets, vocab)
+    fields, tensors = _read(out)
+    cfg = model.config
+    assert fields["general.architecture"] == "eagle3" and fields["eagle3.block_count"] == 1
+    assert fields["eagle3.target_layers"] == [i + 1 for i in cfg.target_layer_ids]  # layer inputs, as vLLM's
+    assert fields["eagle3.target_hidden_size"] == cfg.hidden_size and fields["byblock.block_size"] == 5
+    assert fields["eagle3.norm_before_residual"] is False and fields["eagle3.norm_before_fc"] is False
+    assert fields["tokenizer.ggml.tokens"][:2] == ["t0", "t1"]
+    assert "token_embd.weight" not in tensors  # llama.cpp borrows the target's table
+    want = {"fc.weight", "output_norm.weight", "output.weight", "d2t"}
+    want |= {f"blk.0.{n}.weight" for n in ("attn_norm", "attn_norm_2", "attn_q", "attn_k", "attn_v", "attn_output")}
+    want |= {f"blk.0.{n}.weight" for n in ("ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
+    assert set(tensors) == want
+    state = model.state_dict()
+    same = {
+        "fc.weight": "fc.weight",
+        "output.weight": "lm_head.weight",
+        "blk.0.attn_norm_2.weight": "midlayer.hidden_norm.weight",
+    }
+    for gguf_name, name in same.items():
+        got = np.asarray(tensors[gguf_name].data).reshape(state[name].shape)
+        assert np.array_equal(got, state[name].numpy()), gguf_name
+    assert tensors["d2t"].tensor_type.name == "I64"
+    assert np.asarray(tensors["d2t"].data).tolist() == model.draft_vocab().tolist()  # absolute target ids
+
+
+def test_eagle3_q_k_are_permuted_to_llama_cpps_rope(tmp_path, tiny_targets):
+    """Scores q·k under llama.cpp's interleaved RoPE over the exported weights equal byblock's rotate-half RoPE
+    over its own: the permutation is the one the converter applies."""
+    from byblock.drafters.dflash_model import apply_rope, rope_cos_sin
+
+    model, out = _eagle3_export(tmp_path, tiny_targets)
+    _, tensors = _read(out)
+    cfg, state = model.config, model.state_dict()
+    d, theta = cfg.head_dim, cfg.rope_theta
+    x = torch.randn(6, 2 * cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(3, 9).float()
+    cos, sin = rope_cos_sin(pos[None], d, theta, torch.float32)
+    wq, wk = state["midlayer.self_attn.q_proj.weight"], state["midlayer.self_attn.k_proj.weight"]
+    gq = torch.from_numpy(np.asarray(tensors["blk.0.attn_q.weight"].data).reshape(wq.shape).copy())
+    gk = torch.from_numpy(np.asarray(tensors["blk.0.attn_k.weight"].data).reshape(wk.shape).copy())
+    assert not torch.equal(gq, wq)
+    q_hf = apply_rope((x @ wq.T).view(6, cfg.num_heads, d).transpose(0, 1)[None], cos, sin)[0]
+    k_hf = apply_rope((x @ wk.T).view(6, cfg.num_kv_heads, d).transpose(0, 1)[None], cos, sin)[0]
+    q_ll = _interleaved_rope((x @ gq.T).view(6, cfg.num_heads, d).transpose(0, 1), pos, theta)
+    k_ll = _interleaved_rope((x @ gk.T).view(6, cfg.num_kv_heads, d).transpose(0, 1), pos, theta)
+    group = cfg.num_heads // cfg.num_kv_heads
+    s_hf = q_hf @ k_hf.repeat_interleave(group, 0).transpose(1, 2)
+    s_ll = q_ll @ k_ll.repeat_interleave(group, 0).transpose(1, 2)
+    torch.testing.assert_close(s_ll, s_hf, rtol=1e-4, atol=1e-4)
+
+
+def test_eagle3_export_and_launch_through_the_cli(tmp_path, tiny_targets):
+    from tiny import make_eagle3
+
+    from byblock.drafters.eagle3_format import save_eagle3
+
+    target = tiny_targets["llama"]
+    src = save_eagle3(make_eagle3(target), tmp_path / "eagle3", torch.float32)
+    target.hf.save_pretrained(tmp_path / "tgt")
+    target.tokenizer.save_pretrained(tmp_path / "tgt")
+    tgt = _tiny_target_gguf(tmp_path / "target.gguf", target.vocab_size)
+    cmd = [*CLI, "export", "--format", "llamacpp", "--target", str(tmp_path / "tgt"), "--target-gguf", str(tgt)]
+    r = subprocess.run(
+        [*cmd, "--drafter", f"eagle3:{src}", "--out", str(tmp_path / "out")], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    line = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (
+        line["speculative_config"]["method"] == "eagle3" and line["speculative_config"]["num_speculative_tokens"] == 7
+    )
+    launch = [*CLI, "launch", "llamacpp", "--target", str(tmp_path / "tgt"), "--target-gguf", str(tgt)]
+    r = subprocess.run([*launch, "--exported", line["out"]], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "--spec-type draft-eagle3" in r.stdout and "--spec-draft-n-max 7" in r.stdout

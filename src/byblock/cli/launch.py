@@ -49,8 +49,8 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text.strip("/")).strip("-")[-60:] or "model"
 
 
-def _exported_block_size(draft: Path, llamacpp: bool) -> int:
-    """The block size an exported drafter declares (config.json for vLLM, GGUF metadata for llama.cpp)."""
+def _exported_block_size(draft: Path, llamacpp: bool) -> tuple[int, str]:
+    """The block size and method an exported drafter declares (config.json for vLLM, GGUF metadata for llama.cpp)."""
     from byblock.errors import ByblockError
 
     if llamacpp:
@@ -58,13 +58,17 @@ def _exported_block_size(draft: Path, llamacpp: bool) -> int:
             raise ByblockError(f"--exported {draft}: not a GGUF file (make it with byblock export --format llamacpp)")
         from gguf import GGUFReader
 
-        field = GGUFReader(str(draft)).fields.get("dflash.block_size")
-        if field is None:
-            raise ByblockError(f"--exported {draft}: not a DFlash GGUF (no dflash.block_size)")
-        return int(field.contents())
+        from byblock.handoff.llamacpp import BLOCK_KEY
+
+        fields = GGUFReader(str(draft)).fields
+        arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
+        key = {"dflash": "dflash.block_size", "eagle3": BLOCK_KEY}.get(arch)
+        if key is None or key not in fields:
+            raise ByblockError(f"--exported {draft}: not a GGUF byblock exported (arch {arch}, no block size)")
+        return int(fields[key].contents()), arch
     if not (draft / "config.json").is_file():
         raise ByblockError(f"--exported {draft}: no config.json (make it with byblock export --format vllm)")
-    return int(json.loads((draft / "config.json").read_text()).get("block_size", 16))
+    return int(json.loads((draft / "config.json").read_text()).get("block_size", 16)), "dflash"
 
 
 def _engine_binary(args: argparse.Namespace, llamacpp: bool) -> str:
@@ -98,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             extra = json.loads((draft / "config.json").read_text()).get("byblock") or {}
             block = int(extra.get("num_speculative_tokens", 7)) + 1
         else:
-            block = _exported_block_size(draft, llamacpp)
+            block, method = _exported_block_size(draft, llamacpp)
         target = str(target_gguf_of(args.target, args.target_gguf)) if llamacpp else resolve_checkpoint(args.target)
     else:
         out = cache_root() / "exports" / f"{_slug(args.target)}-{_slug(args.drafter)}-{args.engine}"

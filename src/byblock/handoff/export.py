@@ -61,7 +61,7 @@ def export_drafter(drafter: str, target: str, fmt: EngineFormat, out: Path, targ
 
     spec = DrafterSpec.parse(drafter)
     if spec.kind in (DrafterKind.EAGLE3, DrafterKind.EAGLE3_TREE):
-        return _export_eagle3(spec, target, fmt, out)
+        return _export_eagle3(spec, target, fmt, out, target_gguf)
     if spec.kind is not DrafterKind.DFLASH:
         raise ByblockError(f"export takes a DFlash or EAGLE-3 drafter (dflash|eagle3[:PATH]), not '{drafter}'")
     src = dflash_source(spec.model, target)
@@ -101,9 +101,9 @@ def eagle3_source(model: str | None, target: str) -> Path:
     return src
 
 
-def _export_eagle3(spec, target: str, fmt: EngineFormat, out: Path) -> Exported:
-    """An EAGLE-3 head for vLLM: byblock already writes vLLM's layout, so this re-saves it (atomically, in its
-    own dtype) with the round depth recorded; llama.cpp's EAGLE-3 GGUF is not written by byblock yet."""
+def _export_eagle3(spec, target: str, fmt: EngineFormat, out: Path, target_gguf: str | None = None) -> Exported:
+    """An EAGLE-3 head for vLLM (byblock already writes vLLM's layout, so this re-saves it atomically, in its own
+    dtype, with the round depth recorded) or as llama.cpp's `eagle3` GGUF (a .gguf file, or DIR/eagle3-draft.gguf)."""
     import torch
     from safetensors import safe_open
 
@@ -112,15 +112,21 @@ def _export_eagle3(spec, target: str, fmt: EngineFormat, out: Path) -> Exported:
     from byblock.drafters.eagle3_format import load_eagle3, save_eagle3
     from byblock.models.loading import resolve_checkpoint
 
-    if fmt is not EngineFormat.VLLM:
-        raise ByblockError("EAGLE-3 heads export to vLLM (--format vllm); llama.cpp's EAGLE-3 GGUF is not written yet")
     src = eagle3_source(spec.model, target)
+    block = spec.block_size or DEFAULT_BLOCK
+    if fmt is EngineFormat.LLAMACPP:
+        from byblock.handoff.llamacpp import export_llamacpp_eagle3
+
+        if (vocab := json.loads((src / "config.json").read_text()).get("vocab_size")) != _target_vocab(target):
+            raise ByblockError(f"{src} was trained for a {vocab}-token vocabulary, not {target}'s")
+        gguf = target_gguf_of(target, target_gguf)
+        written = export_llamacpp_eagle3(src, out if out.suffix == ".gguf" else out / "eagle3-draft.gguf", gguf, block)
+        return Exported(written, fmt, str(gguf), block, method="eagle3")
     with safe_open(str(src / WEIGHTS), "pt") as f:
         dtype = f.get_tensor("fc.weight").dtype
     model = load_eagle3(src, dtype=torch.float32)
     if model.config.vocab_size != _target_vocab(target):
         raise ByblockError(f"{src} was trained for a {model.config.vocab_size}-token vocabulary, not {target}'s")
-    block = spec.block_size or DEFAULT_BLOCK
     model.config.extra["num_speculative_tokens"] = block - 1
     written = save_eagle3(model, out, dtype)
     return Exported(written, fmt, resolve_checkpoint(target), block, method="eagle3")

@@ -3,7 +3,7 @@
 The flags are the deployment flags the seeds use (`python -m vllm.entrypoints.openai.api_server ...
 --max-model-len --gpu-memory-utilization 0.92 --tensor-parallel-size --port`) plus the speculative config each
 engine documents (../shared/reference/spec_decoding.md §1.4): vLLM `--speculative-config` with
-num_speculative_tokens = block_size - 1; llama.cpp `llama-server -md DRAFT.gguf --spec-type draft-dflash
+num_speculative_tokens = block_size - 1; llama.cpp `llama-server -md DRAFT.gguf --spec-type draft-dflash|draft-eagle3
 --spec-draft-n-max block_size - 1`. On a CPU the GPU-only flags are dropped, the engine runs eager in fp32
 (the precision byblock's lossless checks use) and its OpenMP threads are bound to every core.
 """
@@ -85,10 +85,9 @@ def vllm_command(cfg: LaunchConfig) -> Command:
 
 
 def llamacpp_command(cfg: LaunchConfig) -> Command:
-    """llama-server on the target's GGUF with the DFlash GGUF as its draft model (`python` = the binary)."""
-    if cfg.method != "dflash":
-        raise ByblockError("llama.cpp launches take a DFlash GGUF (byblock export --format llamacpp)")
-    argv = [cfg.python, "-m", cfg.target, "-md", cfg.draft, "--spec-type", "draft-dflash"]
+    """llama-server on the target's GGUF with the exported GGUF as its draft model (`python` = the binary):
+    `--spec-type draft-dflash` or `draft-eagle3`, K = block_size - 1 drafted per round."""
+    argv = [cfg.python, "-m", cfg.target, "-md", cfg.draft, "--spec-type", f"draft-{cfg.method}"]
     argv += ["--spec-draft-n-max", str(cfg.block_size - 1), "--alias", cfg.served_name]
     argv += ["-c", str(cfg.max_model_len), "--host", cfg.host, "--port", str(cfg.port)]
     if cfg.cuda:  # every layer of both models on the GPU

@@ -45,6 +45,7 @@ class LlamaCppConfig:
 
     target_gguf: str
     draft_gguf: str | None = None  # byblock export --format llamacpp; None = plain
+    spec_type: str = "draft-dflash"  # the draft GGUF's: draft-dflash | draft-eagle3
     k: int = 15  # --spec-draft-n-max
     slots: int = 1  # -np: concurrent sequences
     lookup_k: int = 0  # > 0: llama.cpp's prompt lookup (ngram-simple) drafting this many tokens; needs no draft
@@ -78,7 +79,7 @@ class LlamaCppPeer:
         argv = [str(binary), "-m", cfg.target_gguf, "--host", "127.0.0.1", "--port", str(self.port)]
         argv += ["-t", str(cfg.threads), "-np", str(cfg.slots), "-c", str(cfg.ctx_per_slot * cfg.slots)]
         if cfg.draft_gguf:
-            argv += ["-md", cfg.draft_gguf, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(cfg.k)]
+            argv += ["-md", cfg.draft_gguf, "--spec-type", cfg.spec_type, "--spec-draft-n-max", str(cfg.k)]
         elif cfg.lookup_k:
             # n-grams of 3, as byblock's ngram drafter matches (llama.cpp's default, 12, rarely matches in chat)
             argv += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(LOOKUP_NGRAM)]
