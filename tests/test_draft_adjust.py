@@ -242,3 +242,23 @@ def test_the_blockwise_chain_equals_the_row_by_row_definition(kind):
             else:
                 for q, r in zip(qs, rows, strict=True):
                     torch.testing.assert_close(q, process_logits(r, params), rtol=0, atol=0)
+
+
+def test_the_greedy_grammar_chain_equals_the_masked_rows():
+    """Under a grammar the greedy chain checks the row's best token first and masks only when it is refused;
+    either way each position is the masked row's argmax."""
+    from byblock.sampling.grammar import Constraint
+
+    t = target()
+    grammar = Constraint(REGEX, t.tokenizer, t.vocab_size, tuple(t.eos_token_ids), torch.device("cpu"))
+    adjust = DraftAdjust(None, grammar, t.vocab_size)
+    g = torch.Generator().manual_seed(5)
+    block = torch.randn(8, t.vocab_size, generator=g)
+    path: list[int] = []
+    for d in range(8):  # even rows: the raw best token is one the grammar takes; odd rows: left to chance
+        allowed = torch.isfinite(adjust.row(torch.zeros(t.vocab_size), path)).nonzero().flatten()
+        if d % 2 == 0:
+            block[d, allowed[int(torch.randint(len(allowed), (1,), generator=g))]] += 10.0
+        path.append(int(adjust.row(block[d], path).argmax()))
+    ids, _ = adjust.chain(block, SamplingParams(), None)
+    assert ids == path[: len(ids)] and len(ids) >= 4

@@ -119,6 +119,15 @@ class DraftAdjust:
             if path and pen is not None:  # the path's tokens count once more each: recompute them from the raw row
                 toks = torch.tensor(sorted(set(path)), dtype=torch.long, device=x.device)
                 x[self._cols(toks, vocab)] = self._at(logits[d], toks, path, vocab)
+            if self.grammar is not None and params.greedy:
+                # The row's best token, when the grammar takes it, is the masked row's best: one token checked
+                # instead of a mask over the vocabulary (~0.15 ms each); the mask only where it is refused.
+                t = int(x.argmax())
+                tid = host_vocab[t] if host_vocab is not None else t
+                if self.grammar.accepts([*path, tid]):
+                    ids.append(t)
+                    path.append(tid)
+                    continue
             if self.grammar is not None:
                 x = self._mask(x, path, vocab)
             best, arg = x.max(-1)

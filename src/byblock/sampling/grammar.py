@@ -160,6 +160,11 @@ class Constraint:
             m.rollback(consumed)
         return allowed
 
+    def accepts(self, tokens: list[int]) -> bool:
+        """Whether the grammar takes all of `tokens` in order from the committed state (an EOS ending it: no,
+        so the caller takes the masked path, which knows how the matcher ends)."""
+        return not self.eos.intersection(tokens) and self.matcher.validate_tokens(tokens) == len(tokens)
+
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` (a drafted chain) the grammar accepts in order from the committed state."""
         return self.matcher.validate_tokens(tokens) if tokens else 0
