@@ -66,6 +66,7 @@ def modes(max_new: int) -> dict[str, SamplingParams]:
         "free": SamplingParams(**base),
         "logprobs=5": SamplingParams(**base, logprobs=5),
         "penalties": SamplingParams(**base, repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.3),
+        "penalties-strong": SamplingParams(**base, repetition_penalty=1.3, presence_penalty=0.8, frequency_penalty=0.8),
         "json-schema": SamplingParams(**base, grammar=Grammar.json_schema(SCHEMA)),
     }
 
@@ -76,7 +77,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--drafters", default="none,ngram,dflash,adaptive-hybrid")
-    ap.add_argument("--modes", default="free,logprobs=5,penalties,json-schema")
+    ap.add_argument("--modes", default="free,logprobs=5,penalties,penalties-strong,json-schema")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = load_model(args.model)

@@ -37,6 +37,8 @@ def test_method_names_parse_once():
     peer = MethodSpec.parse("vllm-dflash:/x@8")
     assert peer.engine is Engine.VLLM and peer.drafter.block_size == 8 and peer.drafter.model == "/x"
     assert MethodSpec.parse("vllm").engine is Engine.VLLM and MethodSpec.parse("vllm").drafter is None
+    e3 = MethodSpec.parse("llamacpp-eagle3:/h@6")
+    assert e3.engine is Engine.LLAMACPP and e3.drafter.kind.value == "eagle3" and e3.drafter.model == "/h"
     lookup = MethodSpec.parse("llamacpp-lookup@12")
     assert lookup.engine is Engine.LLAMACPP and lookup.lookup and lookup.drafter is None and lookup.size == 12
     for bad in ("warp", "hf@4", "dflash@1", "ngram:x", "vllm@4"):

@@ -232,3 +232,36 @@ def test_eagle3_export_and_launch_through_the_cli(tmp_path, tiny_targets):
     r = subprocess.run([*launch, "--exported", line["out"]], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "--spec-type draft-eagle3" in r.stdout and "--spec-draft-n-max 7" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.skipif(not os.environ.get("BYBLOCK_LLAMA_SERVER"), reason="set BYBLOCK_LLAMA_SERVER to a llama-server")
+def test_llama_server_loads_an_eagle3_export(tmp_path):
+    """A random EAGLE-3 head of the default model's shape: llama-server loads it, drafts with it (τ is then ~1, so
+    the check is that it runs) and stays token-identical to its own plain decoding."""
+    real_model_or_skip()
+    from byblock.drafters.eagle3_format import save_eagle3
+    from byblock.drafters.eagle3_model import Eagle3Config, Eagle3DraftModel
+    from byblock.models.loading import load_model_config
+
+    c = load_model_config("smollm2-135m")
+    heads = c.num_attention_heads
+    cfg = Eagle3Config(
+        hidden_size=c.hidden_size,
+        intermediate_size=256,
+        num_heads=heads,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.hidden_size // heads,
+        vocab_size=c.vocab_size,
+        draft_vocab_size=c.vocab_size,
+        target_layer_ids=(1, 14, 26),
+        num_target_layers=c.num_hidden_layers,
+    )
+    torch.manual_seed(0)
+    head = save_eagle3(Eagle3DraftModel(cfg), tmp_path / "head", torch.float32)
+    cmd = [*CLI, "bench", "--methods", f"llamacpp,llamacpp-eagle3:{head}@4", "--limit", "2", "--max-new-tokens", "24"]
+    r = subprocess.run([*cmd, "--no-plots", "--quiet", "--out", str(tmp_path / "out")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "out" / "report.json").read_text())["datasets"]["dev"]["methods"]
+    assert rows[f"llamacpp-eagle3:{head}@4"]["mismatched_vs_engine"] == 0
