@@ -20,6 +20,7 @@ from byblock import SamplingParams, generate, load_model
 from byblock.bench.datasets import load_dev
 from byblock.bench.hardware import describe_machine
 from byblock.drafters import DrafterSpec, build_drafter
+from byblock.drafters.base import UnadjustedDrafter
 from byblock.sampling.grammar import Grammar
 
 SCHEMA = {
@@ -32,28 +33,6 @@ SCHEMA = {
     "required": ["answer", "confidence", "keywords"],
     "additionalProperties": False,
 }
-
-
-class Unadjusted:
-    """A drafter never handed the request's adjustments (everything else delegated)."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    def start(self, prompt_ids, target_hidden, params, generator, adjust=None) -> None:
-        self.inner.start(prompt_ids, target_hidden, params, generator)
-
-    def propose(self, tokens, max_depth):
-        return self.inner.propose(tokens, max_depth)
-
-    def observe(self, verdict, target_hidden) -> None:
-        self.inner.observe(verdict, target_hidden)
-
-    def fork(self):
-        return Unadjusted(self.inner.fork())
 
 
 UNADJUSTED = " (unadjusted)"
@@ -94,7 +73,7 @@ def main() -> None:
             generate(model, ids, params)
         arms = dict(drafters)
         if params.adjusts_logits or params.grammar is not None:  # the A/B: the same drafters, unadjusted
-            arms.update({d + UNADJUSTED: Unadjusted(v) for d, v in drafters.items() if v and d != "ngram"})
+            arms.update({d + UNADJUSTED: UnadjustedDrafter(v) for d, v in drafters.items() if v and d != "ngram"})
         tot = {d: [0, 0.0, 0, 0, 0.0] for d in arms}  # tokens, seconds, rounds, emitted, drafting seconds
         mismatch = dict.fromkeys(arms, 0)
         for i, ids in enumerate(prompts):

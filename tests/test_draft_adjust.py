@@ -22,6 +22,7 @@ from tiny import make_eagle3, make_target
 
 from byblock import SamplingParams, generate
 from byblock.drafters import ModelDrafter
+from byblock.drafters.base import UnadjustedDrafter
 from byblock.drafters.eagle3 import Eagle3Drafter
 from byblock.engine.spec_loop import speculative_decode
 from byblock.engine.types import SpecStats
@@ -79,26 +80,6 @@ def test_a_chain_is_adjusted_with_the_path_drafted_before_each_position():
     assert len(qs) == 3 and all(abs(float(q.sum()) - 1) < 1e-5 for q in qs)
 
 
-class Unadjusted:
-    """A drafter that is never handed the request's adjustments (how every drafter ran before)."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.name, self.block_size, self.hidden_layers = inner.name, inner.block_size, inner.hidden_layers
-
-    def start(self, prompt_ids, target_hidden, params, generator, adjust=None) -> None:
-        self.inner.start(prompt_ids, target_hidden, params, generator)
-
-    def propose(self, tokens, max_depth):
-        return self.inner.propose(tokens, max_depth)
-
-    def observe(self, verdict, target_hidden) -> None:
-        self.inner.observe(verdict, target_hidden)
-
-    def fork(self):
-        return Unadjusted(self.inner.fork())
-
-
 def _acceptance(result) -> float:
     s = result.stats
     return sum(s.position_accepted) / max(1, sum(s.position_drafted))
@@ -112,7 +93,7 @@ def test_the_target_drafting_for_itself_accepts_every_token(which):
     own = ModelDrafter(t, target_vocab=t.vocab_size, block_size=4)  # the target's weights: its rows are p
     _, spec = greedy_outputs_match(t, PROMPT, p, own)
     assert _acceptance(spec) == 1.0
-    _, blind = greedy_outputs_match(t, PROMPT, p, Unadjusted(own.fork()))
+    _, blind = greedy_outputs_match(t, PROMPT, p, UnadjustedDrafter(own.fork()))
     # Unadjusted, it drafts what the penalties / mask turn the target from (a chain the grammar refuses is cut
     # there before verification, so fewer tokens per round rather than rejected ones).
     assert blind.stats.mean_accepted < spec.stats.mean_accepted - 0.5

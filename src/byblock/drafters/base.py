@@ -75,3 +75,31 @@ class StatelessDrafter:
     def fork(self) -> StatelessDrafter:
         """No per-request state: one instance serves every request."""
         return self
+
+
+class UnadjustedDrafter:
+    """A drafter never handed the request's adjustments (sampling/draft_adjust.py): it drafts from its raw rows,
+    as drafters did before they saw penalties and grammar masks — the A/B baseline of benchmarks/
+    sampling_surface.py and tests/test_draft_adjust.py. Everything else is the wrapped drafter's."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def start(self, prompt_ids, target_hidden, params, generator, adjust=None) -> None:
+        """The wrapped drafter's start, without `adjust`."""
+        self.inner.start(prompt_ids, target_hidden, params, generator)
+
+    def propose(self, tokens: list[int], max_depth: int) -> Draft:
+        """The wrapped drafter's draft."""
+        return self.inner.propose(tokens, max_depth)
+
+    def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
+        """The wrapped drafter's bookkeeping."""
+        self.inner.observe(verdict, target_hidden)
+
+    def fork(self) -> UnadjustedDrafter:
+        """A fork of the wrapped drafter, still unadjusted."""
+        return UnadjustedDrafter(self.inner.fork())

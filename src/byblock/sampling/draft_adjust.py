@@ -65,11 +65,8 @@ class DraftAdjust:
             cols = self._maps(vocab)[1][tids]
             keep = cols >= 0
             tids, cols = tids[keep], cols[keep]
-        extra = torch.zeros(len(tids), device=x.device)
-        if path:  # drafted tokens: all in the draft vocabulary, so among tids
-            at = torch.searchsorted(tids, torch.tensor(path, dtype=torch.long, device=x.device))
-            extra.index_add_(0, at, torch.ones(len(path), device=x.device))
-        x[..., cols] = pen.at(x[..., cols], tids, extra)
+        # drafted tokens are all in the draft vocabulary, so among tids
+        x[..., cols] = pen.at(x[..., cols], tids, pen.path_counts(tids, path))
 
     def _mask(self, x: torch.Tensor, path: list[int], vocab: torch.Tensor | None) -> torch.Tensor:
         assert self.grammar is not None
@@ -106,11 +103,11 @@ class DraftAdjust:
         committed counts, then each row again at the path's few tokens."""
         host_vocab = self._maps(vocab)[0] if vocab is not None else None
         pen = self.penalties
-        base = self.rows(logits, vocab) if self.grammar is None else logits.float().clone()
-        if self.grammar is None and pen is not None and params.greedy and pen.only_lowers:
-            return self._greedy_penalized(logits, base, vocab), []
-        if self.grammar is not None and pen is not None:
-            self._penalize(base, [], vocab)
+        base = logits.float().clone()
+        if pen is not None:
+            self._penalize(base, [], vocab)  # the committed state on every row at once
+            if self.grammar is None and params.greedy and pen.only_lowers:
+                return self._greedy_penalized(logits, base, vocab), []
         ids: list[int] = []
         path: list[int] = []
         qs: list[torch.Tensor] = []
@@ -151,8 +148,7 @@ class DraftAdjust:
     def _at(self, raw: torch.Tensor, toks: torch.Tensor, path: list[int], vocab: torch.Tensor | None) -> torch.Tensor:
         """Penalised values at target ids `toks` (sorted, all on `path`) of one raw row [Vd]."""
         assert self.penalties is not None
-        extra = torch.tensor([path.count(t) for t in toks.tolist()], dtype=torch.float32, device=raw.device)
-        return self.penalties.at(raw.float()[self._cols(toks, vocab)], toks, extra)
+        return self.penalties.at(raw.float()[self._cols(toks, vocab)], toks, self.penalties.path_counts(toks, path))
 
     def _greedy_penalized(self, logits: torch.Tensor, base: torch.Tensor, vocab: torch.Tensor | None) -> list[int]:
         """chain() when greedy under penalties that only lower logits (repetition >= 1, presence and frequency

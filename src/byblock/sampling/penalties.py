@@ -71,13 +71,17 @@ class Penalties:
     def row(self, logits: torch.Tensor, extra: list[int] = ()) -> torch.Tensor:  # type: ignore[assignment]
         """logits [..., V] of rows whose output continues the committed one with `extra` -> adjusted float32."""
         ids = self.touched(extra)
-        counts = self.counts[ids]
-        if extra:
-            pos = torch.searchsorted(ids, torch.tensor(extra, dtype=torch.long, device=self.device))
-            counts = counts.index_add(0, pos, torch.ones(len(extra), device=self.device))
         x = logits.float().clone()
-        x[..., ids] = self._apply(x[..., ids], counts, self.prompt_seen[ids], self.bias[ids])
+        x[..., ids] = self.at(x[..., ids], ids, self.path_counts(ids, extra))
         return x
+
+    def path_counts(self, ids: torch.Tensor, path: list[int]) -> torch.Tensor:
+        """[k] float32: how often each of the sorted `ids` occurs on `path` (every path token among them)."""
+        counts = torch.zeros(len(ids), device=self.device)
+        if path:
+            pos = torch.searchsorted(ids, torch.tensor(path, dtype=torch.long, device=self.device))
+            counts.index_add_(0, pos, torch.ones(len(path), device=self.device))
+        return counts
 
     def at(self, logits: torch.Tensor, ids: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
         """The adjusted values at token `ids` [k] only, given their raw logits [k] and `extra` [k] occurrences on
