@@ -115,6 +115,62 @@ def test_bad_shapes_are_refused(kernel):
         kernel(q, k[:, :, :3], v[:, :, :3], None, 1.0)
 
 
+def test_packed_segments_are_bitwise_each_segments_own_call(kernel):
+    """`packed` (a whole packed forward's decode / verify segments in one call) writes each segment's new K/V
+    into its buffers and gives each row the bits the per-segment call gives it: causal rows, a mask's key sets,
+    strided inputs, segments of different pasts."""
+    g = torch.Generator().manual_seed(3)
+    h, hkv, d = 6, 2, 64
+    specs = [(1, 17, None), (4, 30, "tree"), (3, 5, None), (2, 250, "tree")]  # (rows, past, mask)
+    rows = sum(t for t, _, _ in specs)
+    qkv = torch.randn(1, rows, h + 2 * hkv, d, generator=g).transpose(1, 2)  # strided, as the decoder's views
+    q, k_new, v_new = qkv[:, :h], qkv[:, h : h + hkv], qkv[:, h + hkv :]
+    table, want, bufs, masks, start = [], [], [], [], 0
+    for t, past, mask in specs:
+        kb, vb = torch.randn(2, 1, hkv, past + t + 7, d, generator=g)  # spare capacity past the rows
+        keys = torch.cat([kb[:, :, :past], k_new[:, :, start : start + t]], 2)
+        vals = torch.cat([vb[:, :, :past], v_new[:, :, start : start + t]], 2)
+        vis = None
+        if mask:
+            vis = torch.rand(1, t, past + t, generator=g) > 0.3
+            vis[..., -t:] = torch.eye(t, dtype=torch.bool)  # every row sees itself
+            vis = vis.to(torch.uint8).contiguous()
+            masks.append(vis)
+        want.append(kernel(q[:, :, start : start + t], keys, vals, vis, 0.125)[0])
+        bufs.append((kb, vb, keys, vals))
+        table.append((start, start + t, past, kb.data_ptr(), vb.data_ptr(), *kb.stride()[1:3], *vb.stride()[1:3],
+                      0 if vis is None else vis.data_ptr(), 1))  # fmt: skip
+        start += t
+    out = torch.full((rows, h, d), float("nan"))
+    kernel.packed(q, k_new, v_new, torch.tensor(table), 0.125, out)
+    assert torch.equal(out, torch.cat(want))
+    for kb, vb, keys, vals in bufs:
+        n = keys.shape[2]
+        assert torch.equal(kb[:, :, :n], keys) and torch.equal(vb[:, :, :n], vals)
+    with pytest.raises(ValueError, match="segment table"):
+        kernel.packed(q, k_new, v_new, torch.tensor(table)[:, :5], 0.125, out)
+
+
+def test_packed_forward_grows_each_cache_it_writes_directly():
+    """The packed forward's one-call path grows a cache buffer that the new rows would overflow (here a past of
+    255 slots in a buffer of 256) and leaves every cache as the per-request path does."""
+    t = _target("llama", "packed")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, t.vocab_size, (n,), generator=g).tolist() for n in (255, 40)]
+    solo, packed = ([_prefilled(t, p) for p in prompts] for _ in range(2))
+    steps = [[7, 8, 9], [10, 11]]
+    want = torch.cat([t.forward(torch.tensor([s]), c).logits[0] for s, c in zip(steps, solo, strict=True)])
+    from byblock.models.adapter import SegmentInput
+
+    segs = [SegmentInput(c, s) for c, s in zip(packed, steps, strict=True)]
+    out = t.forward_packed(segs, list(range(5)))
+    assert torch.equal(out.logits, want)
+    for s, p in zip(solo, packed, strict=True):
+        assert p.length == s.length
+        for ls, lp in zip(s.hf.layers, p.hf.layers, strict=True):
+            assert torch.equal(ls.keys, lp.keys) and torch.equal(ls.values, lp.values)
+
+
 LINEARS = ("packed", "int8", "int4", "int8/fp32")
 
 

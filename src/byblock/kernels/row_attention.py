@@ -30,6 +30,10 @@ class RowAttention:
         vp, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn.argtypes = [vp, *[i64] * 7, vp, vp, *[i64] * 8, vp, i64, i64, ctypes.c_float, vp, ctypes.c_int]
         self._fn.restype = None
+        self._packed = library.byblock_packed_row_attention
+        self._packed.argtypes = [vp, i64, i64, i64, i64, vp, i64, i64, vp, i64, i64, i64, vp, i64, ctypes.c_float]
+        self._packed.argtypes += [vp, ctypes.c_int]
+        self._packed.restype = None
 
     def __call__(
         self,
@@ -67,6 +71,32 @@ class RowAttention:
                 float(scale), out.data_ptr(), torch.get_num_threads(),
             )  # fmt: skip
         return out
+
+    def packed(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        table: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Several segments of a packed forward in one call: query [1, H, R, D], key / value [1, Hkv, R, D] (the
+        new rows), table int64 [n, SEGMENT_FIELDS] contiguous, one row per segment (csrc/row_attention.cpp: its
+        rows, past slots, cache buffers' pointers and strides, key-set mask pointer or 0 and its head count).
+        Writes each segment's new K/V into its buffers and its rows of out [R, H, D], the bits `__call__` gives
+        the segment alone."""
+        query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
+        if table.shape[-1] != SEGMENT_FIELDS or not table.is_contiguous():
+            raise ValueError(f"the segment table must be contiguous [n, {SEGMENT_FIELDS}]")
+        self._packed(
+            query.data_ptr(), query.shape[1], query.shape[3], query.stride(1), query.stride(2),
+            key.data_ptr(), key.stride(1), key.stride(2), value.data_ptr(), value.stride(1), value.stride(2),
+            key.shape[1], table.data_ptr(), table.shape[0], float(scale), out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+
+
+SEGMENT_FIELDS = 11  # csrc/row_attention.cpp's SEG_FIELDS
 
 
 @functools.cache

@@ -148,6 +148,21 @@ class BufferedLayer(DynamicLayer):
         self._k.keep(slots)
         self._v.keep(slots)
 
+    def room(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V buffers [B, Hkv, capacity, D], grown to hold `t` more slots (for a kernel that writes the
+        new slots itself, kernels/row_attention.py; `advance` then counts them). Needs an initialized layer."""
+        for slots in (self._k, self._v):
+            assert slots.buf is not None
+            if slots.buf.shape[-2] < slots.length + t:
+                slots.reserve(slots.buf, slots.length + t)
+        assert self._k.buf is not None and self._v.buf is not None
+        return self._k.buf, self._v.buf
+
+    def advance(self, t: int) -> None:
+        """Count `t` slots written past the end through `room`'s buffers as in use."""
+        self._k.length += t
+        self._v.length += t
+
     def get_seq_length(self) -> int:
         """Number of cached slots."""
         return self._k.length if self.is_initialized else 0

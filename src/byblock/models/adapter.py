@@ -18,6 +18,7 @@ from byblock.kernels.gqa_sdpa import gqa_sdpa_attention_forward
 from byblock.kernels.invariant import NAME as INVARIANT_ATTENTION
 from byblock.kernels.invariant import ROW_CHUNK, RowPlan
 from byblock.kernels.ragged import BATCH_KWARG, CACHE_KWARG, PROMPT_KWARG, PackedBatch, Segment
+from byblock.kernels.row_attention import load_row_attention
 from byblock.kv.h2o import H2OState, tree_parents
 from byblock.kv.kv_cache import KVCache, StreamingWindow
 from byblock.models.decoder import DecoderForward
@@ -430,10 +431,15 @@ class TargetModel:
         # A prepared 4D mask makes transformers skip building one over the packed rows (attention ignores it).
         skip = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev)
         keep = torch.tensor(logits_rows, dtype=torch.long, device=dev)
-        batch = PackedBatch(tuple(plan), with_cache=sparse_decode_config(self.hf.config) is not None)
+        with_cache = sparse_decode_config(self.hf.config) is not None
         offsets = tuple(s.start for s in plan)
         if self._decoder_runs:
             fn = self._decoder_attention
+            # Decode and verify segments all in one row-local kernel call per layer, where gqa_sdpa would give
+            # each of them that kernel anyway (fp32 on the CPU, no bf16 row plans, no sparse decode).
+            direct = fn is gqa_sdpa_attention_forward and not with_cache and not self.row_invariant
+            direct = direct and self.dtype == torch.float32 and self.device.type == "cpu"
+            batch = PackedBatch(tuple(plan), with_cache, load_row_attention() if direct else None)
 
             def attend(module, q, k, v):
                 return batch.attend(fn, module, q, k, v, scaling=module.scaling)[0]
@@ -441,7 +447,7 @@ class TargetModel:
             final, layers = self.decoder(ids, positions, attend, hidden_layers)
             hidden = torch.cat([layers[i][0] for i in hidden_layers], dim=-1) if hidden_layers else None
             return PackedOutput(self.head(final[0, keep]), final[0] if keep_final else None, hidden, offsets)
-        kwargs = {BATCH_KWARG: batch}
+        kwargs = {BATCH_KWARG: PackedBatch(tuple(plan), with_cache)}
         out = self.hf(
             input_ids=ids,
             position_ids=positions,

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include <vector>
 
@@ -66,6 +67,59 @@ inline __m256 exp8(__m256 x) {
 
 constexpr int CHUNK = 32;  // output elements accumulated in registers per pass over the keys
 
+// One query row over its n visible keys idx[0..n) (slot order) of one KV head: o = softmax(scale q K^T) V.
+// p: scratch of at least n + 8 floats. Every caller runs this same code, so a row's bits depend only on q and
+// its visible keys, never on which entry point or batch it came through.
+inline void attend_row(const float* qr, const float* kr, const float* vr, int64_t ks, int64_t vs,
+                       const int64_t* idx, int64_t n, int64_t D, float scale, float* p, float* o) {
+  if (n <= 0) {  // no visible key: zeros (SDPA would give NaN; no caller builds such a row)
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+    return;
+  }
+  float m = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = dot(qr, kr + idx[i] * ks, D) * scale;
+    m = p[i] > m ? p[i] : m;
+  }
+  const int64_t padded = (n + 7) / 8 * 8;
+  for (int64_t i = n; i < padded; ++i) p[i] = m;
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 lsum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < padded; i += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&p[i]), vm));
+    _mm256_storeu_ps(&p[i], e);
+  }
+  for (int64_t i = n; i < padded; ++i) p[i] = 0.0f;
+  for (int64_t i = 0; i < padded; i += 8) lsum = _mm256_add_ps(lsum, _mm256_loadu_ps(&p[i]));
+  const float inv = 1.0f / hsum8(lsum);
+  for (int64_t d0 = 0; d0 < D; d0 += CHUNK) {
+    const int64_t w = D - d0 < CHUNK ? D - d0 : CHUNK;
+    if (w == CHUNK) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+             a3 = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        const float* vv = vr + idx[i] * vs + d0;
+        const __m256 pi = _mm256_set1_ps(p[i]);
+        a0 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vv), a0);
+        a1 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vv + 8), a1);
+        a2 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vv + 16), a2);
+        a3 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vv + 24), a3);
+      }
+      const __m256 vi = _mm256_set1_ps(inv);
+      _mm256_storeu_ps(o + d0, _mm256_mul_ps(a0, vi));
+      _mm256_storeu_ps(o + d0 + 8, _mm256_mul_ps(a1, vi));
+      _mm256_storeu_ps(o + d0 + 16, _mm256_mul_ps(a2, vi));
+      _mm256_storeu_ps(o + d0 + 24, _mm256_mul_ps(a3, vi));
+    } else {
+      for (int64_t d = d0; d < d0 + w; ++d) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < n; ++i) acc += p[i] * vr[idx[i] * vs + d];
+        o[d] = acc * inv;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -101,52 +155,72 @@ void byblock_row_attention(const float* q, int64_t B, int64_t H, int64_t T, int6
         for (int64_t j = 0; j < S; ++j)
           if (row[j]) idx[n++] = j;
       }
-      if (n <= 0) {  // no visible key: zeros (SDPA would give NaN; no caller builds such a row)
-        for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-        continue;
+      attend_row(qr, kr, vr, ks, vs, idx.data(), n, D, scale, p.data(), o);
+    }
+  }
+}
+
+// A packed forward's decode / verify segments in one call (kernels/ragged.py): each segment's new K/V rows are
+// written into its own cache buffers, then each of its query rows attends over that cache as
+// byblock_row_attention would for the segment alone (the same attend_row, the same key sets).
+// q: [H, R, D] at strides (qh, qt), the packed rows; knew / vnew: [Hkv, R, D] at strides (nkh, nkt) / (nvh, nvt);
+// unit stride over D everywhere. seg: n_seg records of SEG_FIELDS int64:
+//   start, end      the segment's packed rows [start, end)
+//   past            slots already cached (its new rows go to slots past .. past + end - start)
+//   kbuf, vbuf      its cache buffers of this layer: [Hkv, capacity, D] at strides (kh, ks) / (vh, vs)
+//   kh, ks, vh, vs
+//   mask            0 (causal: row t sees slots 0 .. past + t) or a uint8 [Hm, T, past + T] contiguous key set
+//   mask_heads      Hm: 1 or Hkv
+// out: [R, H, D] contiguous (rows of other segments left as they are).
+constexpr int SEG_FIELDS = 11;
+
+void byblock_packed_row_attention(const float* q, int64_t H, int64_t D, int64_t qh, int64_t qt, const float* knew,
+                                  int64_t nkh, int64_t nkt, const float* vnew, int64_t nvh, int64_t nvt,
+                                  int64_t Hkv, const int64_t* seg, int64_t n_seg, float scale, float* out,
+                                  int threads) {
+  const int64_t group = H / Hkv;
+  std::vector<int64_t> first(n_seg + 1, 0);  // first[s]: index of segment s's first (head, row) item
+  int64_t widest = 0;
+  for (int64_t s = 0; s < n_seg; ++s) {
+    const int64_t* f = seg + s * SEG_FIELDS;
+    first[s + 1] = first[s] + H * (f[1] - f[0]);
+    widest = f[2] + f[1] - f[0] > widest ? f[2] + f[1] - f[0] : widest;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t job = 0; job < n_seg * Hkv; ++job) {  // the appends: plain copies
+      const int64_t* f = seg + (job / Hkv) * SEG_FIELDS;
+      const int64_t h = job % Hkv;
+      float* kb = reinterpret_cast<float*>(f[3]) + h * f[5] + f[2] * f[6];
+      float* vb = reinterpret_cast<float*>(f[4]) + h * f[7] + f[2] * f[8];
+      for (int64_t r = f[0]; r < f[1]; ++r) {
+        memcpy(kb + (r - f[0]) * f[6], knew + h * nkh + r * nkt, D * sizeof(float));
+        memcpy(vb + (r - f[0]) * f[8], vnew + h * nvh + r * nvt, D * sizeof(float));
       }
-      float m = -INFINITY;
-      for (int64_t i = 0; i < n; ++i) {
-        p[i] = dot(qr, kr + idx[i] * ks, D) * scale;
-        m = p[i] > m ? p[i] : m;
+    }
+    std::vector<float> p(widest + 8);
+    std::vector<int64_t> idx(widest);
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t item = 0; item < first[n_seg]; ++item) {
+      int64_t s = 0;
+      while (first[s + 1] <= item) ++s;
+      const int64_t* f = seg + s * SEG_FIELDS;
+      const int64_t T = f[1] - f[0], S = f[2] + T, local = item - first[s];
+      const int64_t h = local / T, t = local % T, kvh = h / group;
+      int64_t n = 0;
+      if (f[9] == 0) {
+        n = f[2] + t + 1;
+        for (int64_t j = 0; j < n; ++j) idx[j] = j;
+      } else {
+        const int64_t mh = f[10] == 1 ? 0 : kvh;
+        const uint8_t* row = reinterpret_cast<const uint8_t*>(f[9]) + (mh * T + t) * S;
+        for (int64_t j = 0; j < S; ++j)
+          if (row[j]) idx[n++] = j;
       }
-      const int64_t padded = (n + 7) / 8 * 8;
-      for (int64_t i = n; i < padded; ++i) p[i] = m;
-      const __m256 vm = _mm256_set1_ps(m);
-      __m256 lsum = _mm256_setzero_ps();
-      for (int64_t i = 0; i < padded; i += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&p[i]), vm));
-        _mm256_storeu_ps(&p[i], e);
-      }
-      for (int64_t i = n; i < padded; ++i) p[i] = 0.0f;
-      for (int64_t i = 0; i < padded; i += 8) lsum = _mm256_add_ps(lsum, _mm256_loadu_ps(&p[i]));
-      const float inv = 1.0f / hsum8(lsum);
-      for (int64_t d0 = 0; d0 < D; d0 += CHUNK) {
-        const int64_t w = D - d0 < CHUNK ? D - d0 : CHUNK;
-        if (w == CHUNK) {
-          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-                 a3 = _mm256_setzero_ps();
-          for (int64_t i = 0; i < n; ++i) {
-            const float* vv = vr + idx[i] * vs + d0;
-            const __m256 pi = _mm256_set1_ps(p[i]);
-            a0 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vv), a0);
-            a1 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vv + 8), a1);
-            a2 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vv + 16), a2);
-            a3 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vv + 24), a3);
-          }
-          const __m256 vi = _mm256_set1_ps(inv);
-          _mm256_storeu_ps(o + d0, _mm256_mul_ps(a0, vi));
-          _mm256_storeu_ps(o + d0 + 8, _mm256_mul_ps(a1, vi));
-          _mm256_storeu_ps(o + d0 + 16, _mm256_mul_ps(a2, vi));
-          _mm256_storeu_ps(o + d0 + 24, _mm256_mul_ps(a3, vi));
-        } else {
-          for (int64_t d = d0; d < d0 + w; ++d) {
-            float acc = 0.0f;
-            for (int64_t i = 0; i < n; ++i) acc += p[i] * vr[idx[i] * vs + d];
-            o[d] = acc * inv;
-          }
-        }
-      }
+      attend_row(q + h * qh + (f[0] + t) * qt, reinterpret_cast<const float*>(f[3]) + kvh * f[5],
+                 reinterpret_cast<const float*>(f[4]) + kvh * f[7], f[6], f[8], idx.data(), n, D, scale, p.data(),
+                 out + ((f[0] + t) * H + h) * D);
     }
   }
 }
