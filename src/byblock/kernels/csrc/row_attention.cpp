@@ -48,6 +48,47 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
+// dot() of one q with four keys at once, bitwise dot()'s four results (D a multiple of 8): the same FMAs per
+// key, and hsum8's additions ((v0 + v4) + (v1 + v5)) + ((v2 + v6) + (v3 + v7)) done for the four keys side by
+// side (lane halves added, then two horizontal pair-adds), so the shuffles are shared instead of serialised.
+inline void dot4(const float* a, const float* b0, const float* b1, const float* b2, const float* b3, int64_t d,
+                 float* out) {
+  __m256 x0 = _mm256_setzero_ps(), y0 = _mm256_setzero_ps(), x1 = _mm256_setzero_ps(), y1 = _mm256_setzero_ps();
+  __m256 x2 = _mm256_setzero_ps(), y2 = _mm256_setzero_ps(), x3 = _mm256_setzero_ps(), y3 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    const __m256 lo = _mm256_loadu_ps(a + i), hi = _mm256_loadu_ps(a + i + 8);
+    x0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(b0 + i), x0);
+    y0 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(b0 + i + 8), y0);
+    x1 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(b1 + i), x1);
+    y1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(b1 + i + 8), y1);
+    x2 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(b2 + i), x2);
+    y2 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(b2 + i + 8), y2);
+    x3 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(b3 + i), x3);
+    y3 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(b3 + i + 8), y3);
+  }
+  if (i + 8 <= d) {
+    const __m256 lo = _mm256_loadu_ps(a + i);
+    x0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(b0 + i), x0);
+    x1 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(b1 + i), x1);
+    x2 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(b2 + i), x2);
+    x3 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(b3 + i), x3);
+  }
+  const __m256 v0 = _mm256_add_ps(x0, y0), v1 = _mm256_add_ps(x1, y1);
+  const __m256 v2 = _mm256_add_ps(x2, y2), v3 = _mm256_add_ps(x3, y3);
+  // u_k = v_k[0:4] + v_k[4:8]: keys 0 | 1 and 2 | 3 in the two 128-bit lanes
+  const __m256 u01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
+  const __m256 u23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
+  const __m256 h = _mm256_hadd_ps(u01, u23);  // lane 0: u0 pairs, u2 pairs; lane 1: u1 pairs, u3 pairs
+  const __m256 r = _mm256_hadd_ps(h, h);      // lane 0: key 0, key 2; lane 1: key 1, key 3
+  alignas(32) float t[8];
+  _mm256_store_ps(t, r);
+  out[0] = t[0];
+  out[1] = t[4];
+  out[2] = t[1];
+  out[3] = t[5];
+}
+
 // Cephes' expf on 8 lanes (~1 ulp on the range softmax uses: x <= 0).
 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
@@ -77,7 +118,16 @@ inline void attend_row(const float* qr, const float* kr, const float* vr, int64_
     return;
   }
   float m = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+  if (D % 8 == 0)
+    for (; i + 4 <= n; i += 4) {
+      dot4(qr, kr + idx[i] * ks, kr + idx[i + 1] * ks, kr + idx[i + 2] * ks, kr + idx[i + 3] * ks, D, &p[i]);
+      for (int64_t j = i; j < i + 4; ++j) {
+        p[j] *= scale;
+        m = p[j] > m ? p[j] : m;
+      }
+    }
+  for (; i < n; ++i) {
     p[i] = dot(qr, kr + idx[i] * ks, D) * scale;
     m = p[i] > m ? p[i] : m;
   }
