@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -112,6 +113,20 @@ def test_batches_are_timed_by_their_wall_clock(tiny_targets):
     assert t.mismatched_turns == 0
 
 
+def test_a_batch_warm_up_runs_the_first_batch_untimed(tiny_targets):
+    """With batch > 1 every method first decodes the first batch once (the memory a batch's prefill touches),
+    and none of that run enters the totals."""
+    target = tiny_targets["llama"]
+    prompts = [Prompt(id=str(i), text=t) for i, t in enumerate(["a", "b b", "c c c", "dd", "e"])]
+    runners = {"ar": _Fake(False), "peer": _Fake(False)}
+    warm = SamplingParams(max_new_tokens=2)
+    totals = run_dataset(target, prompts, runners, SamplingParams(max_new_tokens=4), reference="ar", batch=4, warm=warm)
+    assert runners["peer"].batches == [4, 4, 1]  # the warm-up's first batch, then the timed ones
+    assert totals["peer"].turns == 5 and totals["peer"].seconds == pytest.approx(2 * 0.15)
+    run_dataset(target, prompts, {"ar": (one := _Fake(False))}, SamplingParams(), reference="ar", warm=warm)
+    assert not hasattr(one, "batches") or one.batches == [1] * 5  # batch 1: no extra run
+
+
 def test_vllm_histograms_become_byblock_counters():
     s = stats_from_histogram([1, 0, 2], k=3)  # one step accepted nothing, two accepted two drafts
     assert s.rounds == 3 and s.emitted_by_rounds == 1 + 3 + 3 and s.accept_counts == [1, 0, 2]
@@ -150,3 +165,32 @@ def test_cli_malformed_dataset_exit_2(tmp_path, tiny_llama_dir):
     bad.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
     r = subprocess.run([*CLI, "--model", str(tiny_llama_dir), "--dataset", str(bad)], capture_output=True, text=True)
     assert r.returncode == 2 and "bad.jsonl:2" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_paused_vllm_peer_is_stopped_with_its_children_until_resumed():
+    """`VllmPeer.pause` stops the engine's whole process group (a child stands in for vLLM's engine core), and
+    `resume` (which `generate` calls first) lets it run again."""
+    import time
+
+    from byblock.handoff.vllm_peer import VllmPeer
+
+    peer = VllmPeer.__new__(VllmPeer)  # the process handling alone: no vLLM needed
+    child = "import subprocess, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"
+    peer.proc = subprocess.Popen([sys.executable, "-c", child], start_new_session=True)
+    peer.paused = False
+
+    def states() -> set[str]:
+        out = subprocess.run(["ps", "-o", "stat=", "-g", str(peer.proc.pid)], capture_output=True, text=True)
+        return {line.strip()[0] for line in out.stdout.splitlines() if line.strip()}
+
+    try:
+        time.sleep(0.5)  # the child has started
+        peer.pause()
+        time.sleep(0.2)
+        assert peer.paused and states() == {"T"}
+        peer.resume()
+        time.sleep(0.2)
+        assert not peer.paused and "T" not in states()
+    finally:
+        os.killpg(peer.proc.pid, 9)
+        peer.proc.wait()

@@ -111,6 +111,8 @@ class _PeerRunner:
             top_p=params.top_p,
             seed=params.seed,
         )
+        if hasattr(self.peer, "pause"):  # stopped while other methods run: an idle engine is not free here
+            self.peer.pause()
         # a batch of one is timed by the same clock byblock's rows use; in a batch, each request's own latency
         results = [TurnResult(o.ids, o.ttft_s, wall if len(prompts) == 1 else o.total_s, self._stats(o)) for o in outs]
         return results, wall

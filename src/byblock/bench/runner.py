@@ -141,12 +141,20 @@ def run_dataset(
     reference: str,
     tick=None,
     batch: int = 1,
+    warm: SamplingParams | None = None,
 ) -> dict[str, MethodTotals]:
     """Interleaved loop over chunks of `batch` prompts; returns totals per method (mismatches counted against
-    `reference`; another engine's drafter also against that engine's plain decoding when it runs)."""
+    `reference`; another engine's drafter also against that engine's plain decoding when it runs).
+
+    warm: with batch > 1, every method first runs the first chunk untimed with these params: a batch's first
+    prefill touches memory no one-prompt warm-up did, and on a host whose page cache a peer just filled that
+    cost the first timed batch up to 0.9 s (dev/LOG.md, session 33)."""
     names = list(runners)
     totals = {n: MethodTotals() for n in names}
     chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    if warm is not None and batch > 1 and chunks:
+        for name in names:
+            run_chunk(target, chunks[0], runners[name], warm, MethodTotals())
     for c, chunk in enumerate(chunks):
         k = c % len(names)
         order = names[k:] + names[:k]  # rotate who goes first

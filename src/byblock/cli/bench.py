@@ -300,7 +300,9 @@ def _run_loaded(args, names, specs, datasets, target, runners, params, density, 
         "datasets": {},
     }
     for ds, prompts in datasets.items():
-        totals = run_dataset(target, prompts, runners, params, reference="ar", tick=bar.update, batch=args.batch)
+        totals = run_dataset(
+            target, prompts, runners, params, reference="ar", tick=bar.update, batch=args.batch, warm=warm
+        )
         base = totals[args.baseline]
         base_tok_s = base.tokens / base.seconds if base.seconds else None
         report["datasets"][ds] = {

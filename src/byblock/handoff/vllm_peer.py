@@ -9,8 +9,10 @@ byblock's methods run, interleaved with them like any other method.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -94,7 +96,9 @@ class VllmPeer:
             text=True,
             env=env,
             cwd=tempfile.gettempdir(),  # vLLM's children re-import the worker by path, not byblock's tree
+            start_new_session=True,  # its own process group: `pause` stops the engine's processes with it
         )
+        self.paused = False
         ready = self._read()
         self.version = str(ready.get("vllm"))
         self.load_s = float(ready.get("load_s", 0.0))
@@ -117,6 +121,7 @@ class VllmPeer:
     ) -> tuple[list[PeerOutput], float]:
         """Decode a batch of token-id prompts in one engine call; returns the answers and the call's wall time."""
         assert self.proc.stdin is not None
+        self.resume()
         req = {"prompts": prompts, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
         try:
             self.proc.stdin.write(json.dumps(req) + "\n")
@@ -127,8 +132,23 @@ class VllmPeer:
         outs = [PeerOutput(o["ids"], o["ttft_s"], o["total_s"], o["accept_hist"]) for o in reply["outputs"]]
         return outs, float(reply["wall_s"])
 
+    def pause(self) -> None:
+        """Stop the engine's processes (SIGSTOP to its group) until `resume`: an idle vLLM engine beside a
+        benchmark slowed byblock's batch-16 rows by ~15 % on a 2-core host (dev/LOG.md, session 33)."""
+        if not self.paused and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        """Continue a paused engine."""
+        if self.paused:
+            self.paused = False
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGCONT)
+
     def close(self) -> None:
         """Ask the engine to quit; kill it if it does not within 60 s."""
+        self.resume()
         if self.proc.poll() is None:
             try:
                 assert self.proc.stdin is not None
@@ -136,7 +156,8 @@ class VllmPeer:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=60)
             except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
+                with contextlib.suppress(ProcessLookupError):  # the engine core's processes share the group
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
     def __enter__(self) -> VllmPeer:
