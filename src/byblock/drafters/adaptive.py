@@ -52,6 +52,7 @@ DDTree build serves every candidate N. The choice never affects correctness: ver
 from __future__ import annotations
 
 import statistics
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +125,19 @@ def measure_segment_cost(target: TargetModel, segments: int = 8, context: int = 
                 c.crop(context)
     many, one = (statistics.median(times[n][1:]) for n in (segments, 1))
     return max(0.0, (many - one) / (segments - 1))
+
+
+_SEGMENT_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def segment_cost(target: TargetModel) -> float:
+    """`measure_segment_cost(target)`, measured once per model (~1 s on this CPU): every batched engine core
+    built on the model reuses it, and `generate(model, [prompts])` builds one per call — measuring inside each
+    call had put a second of start-up into every batch the benchmark timed (dev/LOG.md, session 33)."""
+    cost = _SEGMENT_COSTS.get(target)
+    if cost is None:
+        cost = _SEGMENT_COSTS[target] = measure_segment_cost(target)
+    return cost
 
 
 class RoundRate:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from byblock.drafters.adaptive import measure_segment_cost
+from byblock.drafters.adaptive import segment_cost
 from byblock.drafters.base import Drafter
 from byblock.drafters.dflash import draft_blocks
 from byblock.engine.api import check_prompt_fits
@@ -67,7 +67,7 @@ class BatchedEngineCore:
         self.last_step = StepStats()
         # What one more request costs a forward beyond its rows, for adaptive drafters' batch-aware sizing.
         adaptive = any(hasattr(d, "set_batch_load") for d in self.drafters.values())
-        self.segment_s = measure_segment_cost(model) if adaptive else 0.0
+        self.segment_s = segment_cost(model) if adaptive else 0.0
         self._shares: dict[str, float] = {}  # request id -> its share of the last batched drafter forward
 
     # -- the EngineCore contract -------------------------------------------------------------------------

@@ -19,6 +19,13 @@ from transformers.cache_utils import DynamicLayer
 MIN_CAPACITY = 256  # slots allocated at first use; doubled whenever an append would overflow
 
 
+def first_moved(slots: torch.Tensor) -> int:
+    """The index of the first of `slots` (int64 [n], increasing) that is not its own index (n: none moves)."""
+    n = int(slots.numel())
+    ident = slots == torch.arange(n, device=slots.device)
+    return n if bool(ident.all()) else int(ident.long().argmin())
+
+
 class _Slots:
     """One of K or V: a growable buffer [B, H, capacity, D] and the number of slots in use."""
 
@@ -71,12 +78,13 @@ class _Slots:
         return buf[:, :, : self.length]
 
     @torch.no_grad()
-    def keep(self, slots: torch.Tensor) -> None:
+    def keep(self, slots: torch.Tensor, head: int | None = None) -> None:
         """Keep `slots` (int64 [n], increasing) in order. The slots before the first gap stay where they are;
-        only the rest are moved (a tree commit keeps the whole prefix plus a short accepted path)."""
+        only the rest are moved (a tree commit keeps the whole prefix plus a short accepted path). head: the
+        index of the first slot that moves, when the caller knows it (`first_moved`)."""
         n = int(slots.numel())
-        ident = slots == torch.arange(n, device=slots.device)
-        head = n if bool(ident.all()) else int(ident.long().argmin())  # first slot that moves
+        if head is None:
+            head = first_moved(slots)
         if head < n:
             assert self.buf is not None
             tail = self.buf.index_select(2, slots[head:])  # [B, H, n - head, D], a copy: sources may overlap
@@ -142,11 +150,19 @@ class BufferedLayer(DynamicLayer):
             return self._k.append_inference(key_states), self._v.append_inference(value_states)
         return self._k.append(key_states), self._v.append(value_states)
 
-    def select(self, slots: torch.Tensor) -> None:
+    def select(self, slots: torch.Tensor, head: int | None = None) -> None:
         """Keep only `slots` (int64 [n], increasing), in that order, moving as few slots as possible (the
-        slot-selection protocol KVCache.crop/keep use for non-concatenating layers, as QuantizedLayer's)."""
-        self._k.keep(slots)
-        self._v.keep(slots)
+        slot-selection protocol KVCache.crop/keep use for non-concatenating layers, as QuantizedLayer's).
+        head: `first_moved(slots)` if the caller computed it once for all layers."""
+        if head is None:
+            head = first_moved(slots)
+        self._k.keep(slots, head)
+        self._v.keep(slots, head)
+
+    def crop_to(self, length: int) -> None:
+        """Keep the first `length` slots: no data moves, only the count (KVCache.crop's path, per layer)."""
+        self._k.length = min(self._k.length, length)
+        self._v.length = min(self._v.length, length)
 
     def room(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V buffers [B, Hkv, capacity, D], grown to hold `t` more slots (for a kernel that writes the

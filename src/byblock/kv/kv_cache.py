@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from byblock.kv.block_summary import KeyBlockSummary
 from byblock.kv.h2o import H2OState
-from byblock.kv.kv_buffer import BufferedLayer
+from byblock.kv.kv_buffer import BufferedLayer, first_moved
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,9 @@ class KVCache:
         for layer in self.hf.layers:
             if not layer.is_initialized:
                 continue
-            if hasattr(layer, "select"):  # quantized or buffered storage: a crop is a prefix selection
+            if isinstance(layer, BufferedLayer):  # only the slot count changes (no tensor op per layer)
+                layer.crop_to(length)
+            elif hasattr(layer, "select"):  # quantized storage: a crop is a prefix selection
                 layer.select(torch.arange(min(length, layer.get_seq_length()), device=self.pos.device))
             else:
                 layer.keys = layer.keys[..., :length, :]
@@ -143,10 +145,13 @@ class KVCache:
         self.pos = self.pos[slots]
         for summary in self.key_summaries.values():
             summary.keep(slots)
+        head = first_moved(slots)  # the same for every layer: computed once, not 30 times
         for layer in self.hf.layers:
             if not layer.is_initialized:
                 continue
-            if hasattr(layer, "select"):  # quantized or buffered storage
+            if isinstance(layer, BufferedLayer):
+                layer.select(slots, head)
+            elif hasattr(layer, "select"):  # quantized storage
                 layer.select(slots)
             else:
                 layer.keys = layer.keys.index_select(-2, slots)
