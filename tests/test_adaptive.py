@@ -190,6 +190,22 @@ def test_hybrid_rest_with_a_lookup_chain_does_not_park_the_model_without_one(tin
     assert drafted[:3] == [True, True, True] and all(drafted[-6:]) and d.hybrid_model_pays(0)
 
 
+def test_batched_hybrid_charges_its_drafter_when_deciding_to_run_it(tiny_targets):
+    """Batched, the hybrid decides from the forward's tokens per second whether the next round runs the drafter.
+    Once the drafter's own time is spent every tree option pays it, so the choice must be held against the lookup
+    chain without it: a drafter costing 100 forwards is parked, a free one is not."""
+    d, _, tokens = _hybrid_on_repeat(tiny_targets["llama"])
+    d.set_batch_load(rows=3, tokens=3.0, seconds=0.0)  # three other requests, one row each
+    d.cost = CostModel({1: 100.0, 64: 100.01})  # verify rows all but free: any node with a chance pays
+    d.rho_num = d.rho_den = 1.0
+    look = d.lookup.propose(tokens, 7)
+    logits = d.dflash.draft_logits(tokens[-1], len(tokens) - 1, 7)
+    d._hybrid(look, logits, draft_s=0.0)
+    assert d.hybrid_model_pays(1)  # free drafting: the model's nodes add tokens
+    d._hybrid(look, logits, draft_s=1e4)  # a drafter 100x the forward's cost
+    assert not d.hybrid_model_pays(1)
+
+
 def test_resting_hybrid_cuts_the_lookup_chain_to_its_profitable_length(tiny_targets):
     """Lookup acceptance β ≈ 0 and a verify row costing a plain step: a resting round is a plain step."""
     d, calls, tokens = _hybrid_on_repeat(tiny_targets["llama"])

@@ -451,7 +451,11 @@ class AdaptiveDrafter:
         size = length + torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), new.long().cumsum(0)])  # [N+1]
         rate = [self._rate(float(1 + gain[n]), int(size[n]) + 1, draft_s) for n in range(len(ids) + 1)]
         n_best = max(range(len(rate)), key=rate.__getitem__)
-        self._model_paid[regime] = n_best > 0  # the model's nodes added tokens per second (batched rest rule)
+        # Batched rest rule: whether running the drafter pays at all. `rate` charges draft_s to every option (it
+        # is spent by now), so compare with the lookup chain alone at its best length without it.
+        look_e = expected_tokens((self.look_accepted / self.look_reached)[:length])  # E(l), l = 0..L
+        alone = max(self._rate(float(look_e[n]), n + 1, 0.0) for n in range(length + 1))
+        self._model_paid[regime] = n_best > 0 and rate[n_best] >= alone
         self.last_choice = int(size[n_best])
         self._predicted = float((path_p * new)[:n_best].sum())
         self._look_len = length
