@@ -25,13 +25,10 @@ The rule (measured costs, running acceptance):
               the next. Rest while the resting arm is faster. Rounds where the lookup proposes nothing and
               rounds where it proposes a chain are separate regimes (arms and probe schedules): without a
               chain the model competes with a plain step, which it beats far more often than a matched chain.
-              Why the clock: a first rule on the cost model, Σ(a − a_look) / Σ(draft + cost(size+1) −
-              cost(L+1)) against the lookup part's Σ(1 + a_look) / Σ cost(L+1), rested the model on greedy
-              HumanEval while never resting ran 6 % faster (session 17); the clock measures what the cost
-              model only estimates (it prices the target forward, not the rest of a round). A rule on one
-              round's prediction, before that, parked the model right before the rounds
-              where it paid (session 11); never resting ran at 0.7x of plain sampling at temperature 1
-              (session 16).
+              Why the clock: rules on the cost model or on one round's prediction rested the model where it
+              paid (dev/LOG.md sessions 11, 16, 17); the clock measures the whole round, not just the forward.
+              Batched, a round's wall time is the whole forward's, so the hybrid instead drafts while its last
+              best tree beat the lookup chain alone (without the drafter's time) in the forward's tokens/s.
     probe     a resting drafter drafts (probes) after 7 resting rounds, then after twice as many each time
               it is still unprofitable, up to MAX_PROBE_GAP: a probe costs a drafter forward and a verify, and
               with one every 8th round the resting hybrid's round cost at temperature 1 was 1.32 plain steps
@@ -39,8 +36,7 @@ The rule (measured costs, running acceptance):
               (on a CPU where a deep verify costs three plain steps, a whole-block probe would cost more than
               resting saves); a tree's re-decides whether its trees pay.
 
-Every 8th round of a chain that pays verifies the whole block, so acceptance at depths the rule stopped using
-stays measured.
+Every 8th round of a paying chain verifies the whole block, so acceptance at unused depths stays measured.
 The counts behind α, β and ρ forget (weight FORGET per round, towards their prior): acceptance swings between
 turns (a repetitive answer accepts whole blocks, the next one does not), and a rule that pooled all history
 kept drafting deep after such a turn (dev/LOG.md, session 9).
@@ -394,10 +390,14 @@ class AdaptiveDrafter:
             return False  # then resting
         return drafted.rate() >= rested.rate()
 
+    def _lookup_rates(self, length: int) -> list[float]:
+        """The forward's tokens per second with the lookup chain cut to l = 0..length nodes and no drafter."""
+        expected = expected_tokens((self.look_accepted / self.look_reached)[:length])  # E(l), l = 0..L
+        return [self._rate(float(expected[n]), n + 1, 0.0) for n in range(length + 1)]
+
     def _rest_hybrid(self, look: Draft) -> Draft:
         """A round without the drafter: the lookup chain alone, cut to its most profitable length."""
-        expected = expected_tokens((self.look_accepted / self.look_reached)[: look.num_nodes])  # E(l), l = 0..L
-        rate = [self._rate(float(expected[n]), n + 1, 0.0) for n in range(look.num_nodes + 1)]
+        rate = self._lookup_rates(look.num_nodes)
         keep = max(range(len(rate)), key=rate.__getitem__)
         self._predicted = 0.0
         self._look_len = self.last_choice = keep
@@ -453,9 +453,7 @@ class AdaptiveDrafter:
         n_best = max(range(len(rate)), key=rate.__getitem__)
         # Batched rest rule: whether running the drafter pays at all. `rate` charges draft_s to every option (it
         # is spent by now), so compare with the lookup chain alone at its best length without it.
-        look_e = expected_tokens((self.look_accepted / self.look_reached)[:length])  # E(l), l = 0..L
-        alone = max(self._rate(float(look_e[n]), n + 1, 0.0) for n in range(length + 1))
-        self._model_paid[regime] = n_best > 0 and rate[n_best] >= alone
+        self._model_paid[regime] = n_best > 0 and rate[n_best] >= max(self._lookup_rates(length))
         self.last_choice = int(size[n_best])
         self._predicted = float((path_p * new)[:n_best].sum())
         self._look_len = length

@@ -108,6 +108,19 @@ inline __m256 exp8(__m256 x) {
 
 constexpr int CHUNK = 32;  // output elements accumulated in registers per pass over the keys
 
+// A row's visible keys into idx, in slot order; returns how many. row: its uint8 key-set row over S slots, or
+// null for causal rows, which see slots 0 .. causal - 1.
+inline int64_t visible_keys(const uint8_t* row, int64_t S, int64_t causal, int64_t* idx) {
+  int64_t n = 0;
+  if (row == nullptr) {
+    for (; n < causal; ++n) idx[n] = n;
+    return n;
+  }
+  for (int64_t j = 0; j < S; ++j)
+    if (row[j]) idx[n++] = j;
+  return n;
+}
+
 // One query row over its n visible keys idx[0..n) (slot order) of one KV head: o = softmax(scale q K^T) V.
 // p: scratch of at least n + 8 floats. Every caller runs this same code, so a row's bits depend only on q and
 // its visible keys, never on which entry point or batch it came through.
@@ -118,18 +131,19 @@ inline void attend_row(const float* qr, const float* kr, const float* vr, int64_
     return;
   }
   float m = -INFINITY;
-  int64_t i = 0;
+  int64_t scored = 0;
   if (D % 8 == 0)
-    for (; i + 4 <= n; i += 4) {
-      dot4(qr, kr + idx[i] * ks, kr + idx[i + 1] * ks, kr + idx[i + 2] * ks, kr + idx[i + 3] * ks, D, &p[i]);
-      for (int64_t j = i; j < i + 4; ++j) {
+    for (; scored + 4 <= n; scored += 4) {
+      const int64_t* k4 = idx + scored;
+      dot4(qr, kr + k4[0] * ks, kr + k4[1] * ks, kr + k4[2] * ks, kr + k4[3] * ks, D, &p[scored]);
+      for (int64_t j = scored; j < scored + 4; ++j) {
         p[j] *= scale;
         m = p[j] > m ? p[j] : m;
       }
     }
-  for (; i < n; ++i) {
-    p[i] = dot(qr, kr + idx[i] * ks, D) * scale;
-    m = p[i] > m ? p[i] : m;
+  for (; scored < n; ++scored) {
+    p[scored] = dot(qr, kr + idx[scored] * ks, D) * scale;
+    m = p[scored] > m ? p[scored] : m;
   }
   const int64_t padded = (n + 7) / 8 * 8;
   for (int64_t i = n; i < padded; ++i) p[i] = m;
@@ -195,16 +209,9 @@ void byblock_row_attention(const float* q, int64_t B, int64_t H, int64_t T, int6
       const float* kr = k + b * kb + (h / group) * kh;
       const float* vr = v + b * vb + (h / group) * vh;
       float* o = out + ((b * T + t) * H + h) * D;
-      int64_t n = 0;
-      if (visible == nullptr) {
-        n = S - T + t + 1;
-        for (int64_t j = 0; j < n; ++j) idx[j] = j;
-      } else {
-        const int64_t mb = mask_batches == 1 ? 0 : b, mh = mask_heads == 1 ? 0 : h / group;
-        const uint8_t* row = visible + ((mb * mask_heads + mh) * T + t) * S;
-        for (int64_t j = 0; j < S; ++j)
-          if (row[j]) idx[n++] = j;
-      }
+      const int64_t mb = mask_batches == 1 ? 0 : b, mh = mask_heads == 1 ? 0 : h / group;
+      const uint8_t* row = visible ? visible + ((mb * mask_heads + mh) * T + t) * S : nullptr;
+      const int64_t n = visible_keys(row, S, S - T + t + 1, idx.data());
       attend_row(qr, kr, vr, ks, vs, idx.data(), n, D, scale, p.data(), o);
     }
   }
@@ -258,16 +265,9 @@ void byblock_packed_row_attention(const float* q, int64_t H, int64_t D, int64_t 
       const int64_t* f = seg + s * SEG_FIELDS;
       const int64_t T = f[1] - f[0], S = f[2] + T, local = item - first[s];
       const int64_t h = local / T, t = local % T, kvh = h / group;
-      int64_t n = 0;
-      if (f[9] == 0) {
-        n = f[2] + t + 1;
-        for (int64_t j = 0; j < n; ++j) idx[j] = j;
-      } else {
-        const int64_t mh = f[10] == 1 ? 0 : kvh;
-        const uint8_t* row = reinterpret_cast<const uint8_t*>(f[9]) + (mh * T + t) * S;
-        for (int64_t j = 0; j < S; ++j)
-          if (row[j]) idx[n++] = j;
-      }
+      const int64_t mh = f[10] == 1 ? 0 : kvh;
+      const uint8_t* row = f[9] ? reinterpret_cast<const uint8_t*>(f[9]) + (mh * T + t) * S : nullptr;
+      const int64_t n = visible_keys(row, S, f[2] + t + 1, idx.data());
       attend_row(q + h * qh + (f[0] + t) * qt, reinterpret_cast<const float*>(f[3]) + kvh * f[5],
                  reinterpret_cast<const float*>(f[4]) + kvh * f[7], f[6], f[8], idx.data(), n, D, scale, p.data(),
                  out + ((f[0] + t) * H + h) * D);
