@@ -84,7 +84,7 @@ def test_chain_rests_when_no_depth_beats_a_plain_step(tiny_targets):
     d = _adaptive(target, CostModel({1: 1.0, 2: 4.0, 64: 190.0}))
     calls = []
     draft_logits = d.dflash.draft_logits
-    d.dflash.draft_logits = lambda *a: calls.append(a[2]) or draft_logits(*a)
+    d.dflash.draft_logits = lambda *a, **k: calls.append(a[2]) or draft_logits(*a, **k)
     prompt = [5, 17, 33, 9]
     hidden = target.forward(torch.tensor([prompt]), target.new_cache(), hidden_layers=d.hidden_layers).hidden
     d.start(prompt, hidden, SamplingParams(), None)
@@ -98,7 +98,7 @@ def _counted_and_started(d: AdaptiveDrafter, target) -> tuple[list, list[int]]:
     (the lookup proposes "9, 40, ..." after the returned context)."""
     calls: list = []
     draft_logits = d.dflash.draft_logits
-    d.dflash.draft_logits = lambda *a: calls.append(a[2]) or draft_logits(*a)
+    d.dflash.draft_logits = lambda *a, **k: calls.append(a[2]) or draft_logits(*a, **k)
     prompt = [5, 17, 33, 9, 40, 5, 17]
     hidden = target.forward(torch.tensor([prompt]), target.new_cache(), hidden_layers=d.hidden_layers).hidden
     d.start(prompt, hidden, SamplingParams(), None)

@@ -232,10 +232,11 @@ def test_batched_drafter_forward_is_bitwise_each_forks_own(setup):
             fork = base.fork()
             fork.start(ids, out.hidden, params, None)
             group.append(fork)
-    want = [d.draft_logits(5, len(ids), 3) for d, ids in zip(solo, prompts, strict=True)]  # anchor after the prompt
-    draft_blocks([(d, 5, len(ids), 3) for d, ids in zip(batched, prompts, strict=True)])
-    for d, s, ids, w in zip(batched, solo, prompts, want, strict=True):
-        assert torch.equal(d.draft_logits(5, len(ids), 3), w)
+    rows = (None, 4, 6)  # the drafter's own block, and shorter ones (adaptive drafters draft short blocks in a batch)
+    want = [d.draft_logits(5, len(ids), 3, rows=n) for d, ids, n in zip(solo, prompts, rows, strict=True)]
+    draft_blocks([(d, 5, len(ids), 3, n) for d, ids, n in zip(batched, prompts, rows, strict=True)])
+    for d, s, ids, w, n in zip(batched, solo, prompts, want, rows, strict=True):
+        assert torch.equal(d.draft_logits(5, len(ids), 3, rows=n), w)
         for mine, theirs in zip(d._cache, s._cache, strict=True):  # the same context K/V per layer
             assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
 
@@ -305,3 +306,27 @@ def test_bf16_row_invariant_chunked_prefill_runs():
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     results = generate(target, prompts, params, batch=BatchConfig(max_batched_tokens=64))
     assert [len(r.token_ids) for r in results] == [6, 6, 6]
+
+
+def test_batched_adaptive_drafts_short_blocks_and_stays_exact():
+    """With other requests in the forward an adaptive drafter asks its backbone for BATCHED_ROWS positions, not its
+    trained block (alone: the whole block); every request's batched output is still its plain output."""
+    from byblock.drafters.adaptive import BATCHED_ROWS, CostModel
+    from byblock.kernels.packed_gemm import load_kernel, pack_linears
+
+    target = make_target("llama", packed=True)
+    net = make_dflash(target, block=12)
+    pack_linears(net, load_kernel())
+    cheap = CostModel({1: 1e-3, 64: 1.5e-3})  # verify rows almost free: the drafter always drafts
+    base = AdaptiveDrafter(DFlashDrafter(net, target), None, tree=True, max_budget=12, cost=cheap)
+    d = base.fork()
+    prompt = [5, 17, 33, 9]
+    out = target.forward(torch.tensor([prompt]), target.new_cache(), hidden_layers=d.hidden_layers)
+    d.start(prompt, out.hidden, SamplingParams(), None)
+    assert d.block_request([*prompt, 40], 11)[1:] == (11, None)  # alone: the trained block
+    d.set_batch_load(rows=3, tokens=3.0, seconds=0.0)
+    assert d.block_request([*prompt, 40], 11)[1:] == (BATCHED_ROWS - 1, BATCHED_ROWS)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompts = ["def add(a, b):", REPETITIVE, "for i in range(10):"]
+    plain = [generate(target, p, params).token_ids for p in prompts]
+    assert [r.token_ids for r in generate(target, prompts, params, drafter=base)] == plain

@@ -38,6 +38,25 @@ def test_kernel_matches_the_float64_definition(kernel, d):
         torch.testing.assert_close(out, reference_attention(q, k, v, visible, 0.3), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("d", [64, 128, 32, 48])  # the avx512 build's 64- and 32-wide passes; 48: its AVX2 path
+def test_avx512_and_avx2_builds_give_the_same_bits(d):
+    """The avx512 build keeps the AVX2 build's per-lane FMA sequences in 16-lane registers, so the two agree bit for
+    bit: a result never depends on which machine class decoded it (plain decode vs verify stays exact either way)."""
+    from byblock.kernels.cpu_features import cpu_flags
+
+    if "avx512f" not in (cpu_flags() or ()):
+        pytest.skip("no AVX-512 on this CPU")
+    wide, narrow = load_row_attention("avx512"), load_row_attention("avx2")
+    if wide is None or narrow is None:
+        pytest.skip("byblock's row attention does not build here")
+    for seed, s in ((0, 40), (1, 6), (2, 203)):  # few keys (a 4-key block and a tail); many keys, odd count
+        q, k, v = _qkv(t=5, s=s, d=d, seed=seed)
+        for visible in (None, torch.rand(2, 5, s, generator=torch.Generator().manual_seed(seed)) > 0.4):
+            if visible is not None:
+                visible[..., 0] = True
+            assert torch.equal(wide(q, k, v, visible, 0.3), narrow(q, k, v, visible, 0.3)), (d, s)
+
+
 def test_one_mask_row_broadcasts_over_the_batch(kernel):
     q, k, v = _qkv()
     visible = torch.rand(1, 5, 40, generator=torch.Generator().manual_seed(2)) > 0.5

@@ -143,7 +143,7 @@ _COSTS: WeakKeyDictionary = WeakKeyDictionary()  # target -> {max budget: CostMo
 def measured_costs(target: TargetModel, max_budget: int):
     """The target's verify-cost curve up to max_budget + 1 rows (drafters/adaptive.py), measured once per target
     and budget: a server loading adaptive-dflash and adaptive-hybrid measures it once, not twice."""
-    from byblock.drafters.adaptive import COST_SIZES, CostModel, measure_verify_cost
+    from byblock.drafters.costs import COST_SIZES, CostModel, measure_verify_cost
 
     per_budget = _COSTS.setdefault(target, {})
     if max_budget not in per_budget:

@@ -2,8 +2,7 @@
 
 The rule (measured costs, running acceptance):
 
-    cost(k)   = seconds of one target forward over k new tokens, measured once at start-up on this machine
-                (median of a few runs after a 128-token context), linearly interpolated between sizes
+    cost(k)   = seconds of one target forward over k new tokens, measured once on this machine (drafters/costs.py)
     draft     = running mean of the drafter's own time per round
     chain:    E(d) = 1 + Σ_{i=1..d} Π_{j=1..i} α_j     α_j = running acceptance at depth j given depth j−1
                                                         accepted (Beta(1,1)-smoothed counts)
@@ -47,26 +46,22 @@ DDTree build serves every candidate N. The choice never affects correctness: ver
 
 from __future__ import annotations
 
-import statistics
-import weakref
 from dataclasses import dataclass
 
 import torch
 
+from byblock.drafters.costs import COST_SIZES, CostModel, measure_verify_cost, segment_cost
 from byblock.drafters.ddtree import build_tree, tree_logp
 from byblock.drafters.dflash import DFlashDrafter
 from byblock.drafters.hybrid import merge_trees
 from byblock.drafters.ngram import NgramDrafter
-from byblock.kv.kv_cache import KVCache
 from byblock.models.adapter import TargetModel
 from byblock.models.devices import device_clock
 from byblock.sampling.params import SamplingParams
-from byblock.verify.rows import FIRST_ROWS
 from byblock.verify.types import Draft, Verdict
 
-# both sides of each ROW_CHUNK boundary (kernels/invariant.py): 33 rows cost a second linear pass, a step that
-# interpolating between 32 and 48 would smear out
-COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64, 65)
+__all__ = ["BATCHED_ROWS", "COST_SIZES", "AdaptiveDrafter", "CostModel", "measure_verify_cost", "segment_cost"]
+
 EXPLORE_EVERY = 8
 FORGET = 0.95  # per round, the weight of older acceptance evidence (memory ~20 rounds: a turn is 50-100)
 # hybrid: per round of an arm, the weight of that arm's older rounds. Faster than FORGET because while resting
@@ -74,66 +69,9 @@ FORGET = 0.95  # per round, the weight of older acceptance evidence (memory ~20 
 ARM_FORGET = 0.8
 ARM_EVIDENCE = 2.0  # hybrid: compare the arms once each has this much (forgetting-weighted) evidence
 MAX_PROBE_GAP = 63  # at most this many resting rounds between two probes
-
-
-def measure_verify_cost(target: TargetModel, sizes=COST_SIZES, context: int = 128, repeats: int = 3) -> dict:
-    """Median seconds of one verify forward over k new tokens after `context` cached ones, per k: the decoder
-    stack over k rows, then the LM head over the rows a verification reads first (verify/rows.py)."""
-    g = torch.Generator(device=target.device).manual_seed(0)
-    shape = (1, context + max(sizes))
-    ids = torch.randint(10, max(11, target.vocab_size - 1), shape, generator=g, device=target.device)
-    cache = KVCache(device=target.device)  # a plain cache: compressed ones (H2O, windows) are committed, not cropped
-    target.forward(ids[:, :context], cache, logits_to_keep=1)
-    out = {}
-    clock = device_clock(target.device)
-    for k in sizes:
-        times = []
-        for _ in range(repeats + 1):
-            t = clock()
-            fwd = target.forward(ids[:, context : context + k], cache, defer_logits=True)
-            if fwd.final is not None:
-                target.head(fwd.final[0, :FIRST_ROWS])
-            times.append(clock() - t)
-            cache.crop(context)
-        out[k] = statistics.median(times[1:])  # the first run warms the kernels for this shape
-    return out
-
-
-def measure_segment_cost(target: TargetModel, segments: int = 8, context: int = 128, repeats: int = 3) -> float:
-    """Seconds one more request adds to a packed forward beyond its rows (its own attention, cache appends):
-    `segments` requests × 1 row against 1 request × `segments` rows, per extra request (median of a few)."""
-    from byblock.models.adapter import SegmentInput
-
-    g = torch.Generator(device=target.device).manual_seed(0)
-    ids = torch.randint(10, max(11, target.vocab_size - 1), (segments, context), generator=g, device=target.device)
-    caches = [KVCache(device=target.device) for _ in range(segments)]
-    for row, cache in zip(ids, caches, strict=True):
-        target.forward(row[None], cache, logits_to_keep=1)
-    clock = device_clock(target.device)
-    times: dict[int, list[float]] = {1: [], segments: []}
-    for _ in range(repeats + 1):
-        for n in times:
-            per = segments // n
-            t = clock()
-            target.forward_packed([SegmentInput(c, [11] * per) for c in caches[:n]], [0])
-            times[n].append(clock() - t)
-            for c in caches[:n]:
-                c.crop(context)
-    many, one = (statistics.median(times[n][1:]) for n in (segments, 1))
-    return max(0.0, (many - one) / (segments - 1))
-
-
-_SEGMENT_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def segment_cost(target: TargetModel) -> float:
-    """`measure_segment_cost(target)`, measured once per model (~1 s on this CPU): every batched engine core
-    built on the model reuses it, and `generate(model, [prompts])` builds one per call — measuring inside each
-    call had put a second of start-up into every batch the benchmark timed (dev/LOG.md, session 33)."""
-    cost = _SEGMENT_COSTS.get(target)
-    if cost is None:
-        cost = _SEGMENT_COSTS[target] = measure_segment_cost(target)
-    return cost
+# Backbone block positions when batched: at 4 requests a 16-position block cost 1.7 ms per request, the trees it
+# fed stayed within depth 7, and an 8-position block gave as many accepted tokens (dev/LOG.md, session 34).
+BATCHED_ROWS = 8
 
 
 class RoundRate:
@@ -184,23 +122,6 @@ def expected_tokens(accept: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.ones(1, device=accept.device), 1 + accept.cumprod(0).cumsum(0)])
 
 
-class CostModel:
-    """Piecewise-linear cost(k) from measured points."""
-
-    def __init__(self, points: dict[int, float]) -> None:
-        self.ks = sorted(points)
-        self.ts = [points[k] for k in self.ks]
-
-    def __call__(self, k: int) -> float:
-        ks, ts = self.ks, self.ts
-        if k <= ks[0]:
-            return ts[0]
-        for (k0, t0), (k1, t1) in zip(zip(ks, ts, strict=True), zip(ks[1:], ts[1:], strict=True), strict=False):
-            if k <= k1:
-                return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
-        return ts[-1] * k / ks[-1]  # past the last point: proportional
-
-
 @dataclass(frozen=True)
 class _Decision:
     """One round's choice, made before the backbone runs (so the batched engine can batch it)."""
@@ -210,6 +131,7 @@ class _Decision:
     look: Draft | None  # hybrid: the lookup chain
     draft_s: float  # the mean drafter time the choice assumed
     decide_s: float  # time spent deciding
+    rows: int | None = None  # the backbone block's positions (None: its trained block)
 
 
 class AdaptiveDrafter:
@@ -300,11 +222,11 @@ class AdaptiveDrafter:
         other_rows, other_tokens, other_s = self._load
         return (other_tokens + tokens) / (other_s + draft_s + self.cost(other_rows + rows))
 
-    def block_request(self, tokens: list[int], max_depth: int) -> tuple[DFlashDrafter, int] | None:
+    def block_request(self, tokens: list[int], max_depth: int) -> tuple[DFlashDrafter, int, int | None] | None:
         """Decide this round now (the decision is kept for propose) and return the backbone forward it needs,
         or None when it rests (see DFlashDrafter.block_request)."""
         self._decision = self._decide(tokens, max_depth)
-        return (self.dflash, self._decision.depth) if self._decision.depth else None
+        return (self.dflash, self._decision.depth, self._decision.rows) if self._decision.depth else None
 
     def propose(self, tokens: list[int], max_depth: int) -> Draft:
         """Draft the full block once, then keep the most profitable prefix (chain) or node count (tree)."""
@@ -320,18 +242,22 @@ class AdaptiveDrafter:
         depth = min(self.block_size, max_depth)
         draft_s = self.draft_s / self.drafted if self.drafted else 0.0
         n = len(tokens)
+        # Batched, the backbone drafts a short block (BATCHED_ROWS): its cost is per block row, and a batch's
+        # drafts stay shallow (a verify row is not free there). The lookup chain keeps the full depth.
+        rows = BATCHED_ROWS if self._load[0] > 0 and self.dflash.block > BATCHED_ROWS else None
+        deep = min(depth, rows - 1) if rows else depth
         if not self.tree:
-            d_best, pays = self._best_depth(depth, draft_s)
+            d_best, pays = self._best_depth(deep, draft_s)
             if self._rests_now(pays):
                 self.last_choice = self._depth = 0  # one plain step; the backbone's context keeps queueing
                 return _Decision(n, 0, None, draft_s, self._timer() - t0)
             explore = pays and self.rounds % EXPLORE_EVERY == 0
-            return _Decision(n, depth if explore else d_best, None, draft_s, self._timer() - t0)
+            return _Decision(n, deep if explore else d_best, None, draft_s, self._timer() - t0, rows)
         if self.lookup is None:
             if self._rests_now(self._model_pays):
                 self._predicted, self.last_choice = 0.0, 0  # one plain step
                 return _Decision(n, 0, None, draft_s, self._timer() - t0)
-            return _Decision(n, depth, None, draft_s, self._timer() - t0)
+            return _Decision(n, deep, None, draft_s, self._timer() - t0, rows)
         now = self.clock()
         if self._round is not None:  # the previous round ends where this one starts
             self._close_round(now)
@@ -339,7 +265,7 @@ class AdaptiveDrafter:
         regime = int(look.num_nodes > 0)
         rests = self._rests_now(self.hybrid_model_pays(regime), regime)
         self._round = (regime, int(not rests), now)
-        return _Decision(n, 0 if rests else depth, look, draft_s, self._timer() - t0)
+        return _Decision(n, 0 if rests else deep, look, draft_s, self._timer() - t0, rows)
 
     def _build(self, decision: _Decision, tokens: list[int]) -> Draft:
         """The draft a decision asks for (the backbone forward may have run already, batched: draft_blocks)."""
@@ -347,7 +273,7 @@ class AdaptiveDrafter:
             return self._rest_hybrid(decision.look) if decision.look is not None else Draft.empty()
         t0 = self._timer()
         depth, draft_s = decision.depth, decision.draft_s
-        logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth)  # [D, Vd]
+        logits = self.dflash.draft_logits(tokens[-1], len(tokens) - 1, depth, rows=decision.rows)  # [D, Vd]
         if not self.tree:
             draft = self._chain(logits, depth)
         elif decision.look is None:

@@ -124,15 +124,18 @@ class DFlashDrafter:
         clone.adjust = None
         return clone
 
-    def block_request(self, tokens: list[int], max_depth: int) -> tuple[DFlashDrafter, int] | None:
-        """The backbone forward the next propose() runs: (drafter, depth) — for the batched engine's
-        draft_blocks, which runs many requests' blocks in one forward."""
-        return self, min(self.block_size, max_depth)
+    def block_request(self, tokens: list[int], max_depth: int) -> tuple[DFlashDrafter, int, int | None] | None:
+        """The backbone forward the next propose() runs: (drafter, depth, block rows or None for its own block),
+        for the batched engine's draft_blocks, which runs many requests' blocks in one forward."""
+        return self, min(self.block_size, max_depth), None
 
-    def draft_logits(self, anchor: int, anchor_pos: int, depth: int, return_hidden: bool = False):
-        """Run the drafter once; logits [depth, V_draft] for positions anchor_pos+1 .. anchor_pos+depth
-        (and the draft states [depth, H] they came from, with return_hidden). A block the batched engine
-        already drafted for this anchor (draft_blocks) is returned instead of running again."""
+    def draft_logits(
+        self, anchor: int, anchor_pos: int, depth: int, return_hidden: bool = False, rows: int | None = None
+    ):
+        """Run the drafter once over a block of `rows` positions (None: the drafter's block); logits [depth,
+        V_draft] for positions anchor_pos+1 .. anchor_pos+depth (and the draft states [depth, H] they came from,
+        with return_hidden). A block the batched engine already drafted for this anchor (draft_blocks) is
+        returned instead of running again."""
         pre = self._prefetched
         if pre is not None and pre[0] == anchor_pos and depth <= pre[1].shape[0]:
             self._prefetched = None
@@ -140,7 +143,7 @@ class DFlashDrafter:
             logits, states = pre[1][:depth], pre[2][:depth]
             return (logits, states) if return_hidden else logits
         self._prefetched = None
-        block = self.block_input(anchor, anchor_pos)
+        block = self.block_input(anchor, anchor_pos, rows)
         with torch.inference_mode():
             h = self.model(
                 block.block_embeds[None],
@@ -159,17 +162,19 @@ class DFlashDrafter:
         borrowed, self._borrowed_s = self._borrowed_s, 0.0
         return borrowed
 
-    def block_input(self, anchor: int, anchor_pos: int) -> PackedBlock:
-        """The drafter forward's inputs for the block anchored at `anchor_pos` (its new context included)."""
+    def block_input(self, anchor: int, anchor_pos: int, rows: int | None = None) -> PackedBlock:
+        """The drafter forward's inputs for the block of `rows` positions (None: the drafter's block) anchored at
+        `anchor_pos`, its new context included. A block shorter than the trained one drafts fewer positions for
+        proportionally less work; its rows see fewer mask positions, so their logits are close, not equal."""
         assert self._pending is not None
         c = self._pending.shape[0]
         if self._pending_start + c != anchor_pos:
             raise RuntimeError(f"drafter context ends at {self._pending_start + c}, anchor at {anchor_pos}")
-        dev = self.device
-        ids = torch.full((self.block,), self.mask_token_id, dtype=torch.long, device=dev)
+        dev, n = self.device, rows or self.block
+        ids = torch.full((n,), self.mask_token_id, dtype=torch.long, device=dev)
         ids[0] = anchor
         embeds = F.embedding(ids, self.embed_weight)  # [B, H]
-        block_pos = torch.arange(anchor_pos, anchor_pos + self.block, device=dev)  # [B]
+        block_pos = torch.arange(anchor_pos, anchor_pos + n, device=dev)  # [B]
         ctx_pos = torch.arange(self._pending_start, anchor_pos, device=dev)  # [C]
         return PackedBlock(embeds, self._pending, block_pos, ctx_pos, self._cache)
 
@@ -240,31 +245,32 @@ class DFlashDrafter:
         self._pending = torch.cat([self._pending, target_hidden[0]])
 
 
-def draft_blocks(requests: list[tuple[DFlashDrafter, int, int, int]]) -> None:
-    """Draft several requests' blocks at once: (drafter fork, anchor, anchor position, depth) each.
+def draft_blocks(requests: list[tuple[DFlashDrafter, int, int, int, int | None]]) -> None:
+    """Draft several requests' blocks at once: (drafter fork, anchor, anchor position, depth, block rows or None
+    for the drafter's block) each.
 
     Forks of one DFlash network share one forward (dflash_model.forward_packed) and one pass of the head over
     every request's rows; each fork's next draft_logits call for that anchor then returns its share. With the
     packed fp32 kernels (row-invariant) the logits are bitwise those of each fork's own forward."""
-    groups: dict[int, list[tuple[DFlashDrafter, int, int, int]]] = {}
+    groups: dict[int, list[tuple[DFlashDrafter, int, int, int, int | None]]] = {}
     for req in requests:
         groups.setdefault(id(req[0].model), []).append(req)
     for group in groups.values():
         clock = device_clock(group[0][0].device)
         t0 = clock()
-        blocks = [d.block_input(anchor, pos) for d, anchor, pos, _ in group]
+        blocks = [d.block_input(anchor, pos, n) for d, anchor, pos, _, n in group]
         with torch.inference_mode():
             states = forward_packed(group[0][0].model, blocks)  # [ΣB, H]
         rows, at = [], 0
-        for d, _, _, depth in group:
+        for (_, _, _, depth, _), b in zip(group, blocks, strict=True):
             rows.append(states[at + 1 : at + 1 + depth])
-            at += d.block
+            at += b.block_embeds.shape[0]
         first = group[0][0]
         if first.packed_head is not None:  # row-invariant: one head pass for every request
             logits = first.head_logits(torch.cat(rows)).split([r.shape[0] for r in rows])
         else:  # a library matmul is not row-invariant: each request's rows alone, as its own forward does
             logits = [d.head_logits(r) for (d, *_), r in zip(group, rows, strict=True)]
         share = (clock() - t0) / len(group)
-        for (d, _, pos, _), lg, st in zip(group, logits, rows, strict=True):
+        for (d, _, pos, _, _), lg, st in zip(group, logits, rows, strict=True):
             d._consumed(pos)
             d._prefetched = (pos, lg, st, share)

@@ -26,8 +26,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from byblock.drafters.adaptive import segment_cost
 from byblock.drafters.base import Drafter
+from byblock.drafters.costs import segment_cost
 from byblock.drafters.dflash import draft_blocks
 from byblock.engine.api import check_prompt_fits
 from byblock.engine.core import EngineRequest, RequestOutput

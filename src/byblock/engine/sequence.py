@@ -147,12 +147,13 @@ class Sequence:
 
     def block_request(self):
         """The DFlash backbone forward this round's propose() will run, as (drafter fork, anchor, anchor
-        position, depth), for a batched drafter forward (drafters/dflash.py draft_blocks); None if none."""
+        position, depth, block rows or None), for a batched drafter forward (drafters/dflash.py draft_blocks);
+        None if none."""
         budget = self.depth_budget()
         if self._ask_block is None or budget <= 0:
             return None
         req = self._ask_block(self.tokens, budget)
-        return None if req is None else (req[0], self.tokens[-1], len(self.tokens) - 1, req[1])
+        return None if req is None else (req[0], self.tokens[-1], len(self.tokens) - 1, req[1], req[2])
 
     def plan(self, lazy_head: bool, clock, drafted_s: float = 0.0) -> Round:
         """This step's segment: the prompt (or, after a preemption, the committed tokens) or a verify block.

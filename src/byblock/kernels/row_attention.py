@@ -18,8 +18,12 @@ import weakref
 import torch
 
 from byblock.kernels.build import AVX2_FLAGS, load_library
+from byblock.kernels.cpu_features import cpu_flags
 
 FLAGS = (*AVX2_FLAGS, "-ffp-contract=off")
+# The avx512 build does the AVX2 build's per-lane arithmetic in 16-lane registers: the same bits, half the
+# instructions (csrc/row_attention.cpp), so the choice is by capability alone.
+ISA_FLAGS = {"avx2": FLAGS, "avx512": (*FLAGS, "-mavx512f")}
 
 
 class RowAttention:
@@ -100,9 +104,14 @@ SEGMENT_FIELDS = 11  # csrc/row_attention.cpp's SEG_FIELDS
 
 
 @functools.cache
-def load_row_attention() -> RowAttention | None:
-    """The kernel compiled for this CPU (AVX2 + FMA), or None where it cannot be built."""
-    library = load_library("row_attention", FLAGS)
+def load_row_attention(isa: str | None = None) -> RowAttention | None:
+    """The kernel compiled for this CPU (AVX-512 where it has it, else AVX2 + FMA) or for the named build, or None
+    where it cannot be built. Both builds give the same bits (tests/test_row_attention.py)."""
+    if isa is None:
+        isa = "avx512" if "avx512f" in (cpu_flags() or ()) else "avx2"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"unknown ISA {isa!r}; expected one of {sorted(ISA_FLAGS)}")
+    library = load_library("row_attention", ISA_FLAGS[isa])
     return None if library is None else RowAttention(library)
 
 

@@ -32,6 +32,8 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, sh));
 }
 
+inline void finish4(__m256 v0, __m256 v1, __m256 v2, __m256 v3, float* out);
+
 inline float dot(const float* a, const float* b, int64_t d) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
@@ -74,8 +76,11 @@ inline void dot4(const float* a, const float* b0, const float* b1, const float* 
     x2 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(b2 + i), x2);
     x3 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(b3 + i), x3);
   }
-  const __m256 v0 = _mm256_add_ps(x0, y0), v1 = _mm256_add_ps(x1, y1);
-  const __m256 v2 = _mm256_add_ps(x2, y2), v3 = _mm256_add_ps(x3, y3);
+  finish4(_mm256_add_ps(x0, y0), _mm256_add_ps(x1, y1), _mm256_add_ps(x2, y2), _mm256_add_ps(x3, y3), out);
+}
+
+// hsum8 of four keys' lane sums side by side (dot4's last step): out[k] = hsum8(v_k), bitwise.
+inline void finish4(__m256 v0, __m256 v1, __m256 v2, __m256 v3, float* out) {
   // u_k = v_k[0:4] + v_k[4:8]: keys 0 | 1 and 2 | 3 in the two 128-bit lanes
   const __m256 u01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
   const __m256 u23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
@@ -88,6 +93,35 @@ inline void dot4(const float* a, const float* b0, const float* b1, const float* 
   out[2] = t[1];
   out[3] = t[5];
 }
+
+#ifdef __AVX512F__
+// The AVX-512 build (D a multiple of 32): one 16-lane register holds what the AVX2 code keeps in two 8-lane ones
+// (lanes 0-7 its first, 8-15 its second), so every lane's FMA sequence, and the folds after, are the AVX2 code's:
+// both builds give the same bits, with half the instructions.
+inline __m256 fold(__m512 z) {  // lanes 0-7 + lanes 8-15: the AVX2 code's acc0 + acc1
+  return _mm256_add_ps(_mm512_castps512_ps256(z), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+}
+
+inline float dot16(const float* a, const float* b, int64_t d) {  // dot(), d % 16 == 0
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  return hsum8(fold(acc));
+}
+
+inline void dot4x16(const float* a, const float* b0, const float* b1, const float* b2, const float* b3, int64_t d,
+                    float* out) {  // dot4(), d % 16 == 0
+  __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps(), z2 = _mm512_setzero_ps(), z3 = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += 16) {
+    const __m512 x = _mm512_loadu_ps(a + i);
+    z0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b0 + i), z0);
+    z1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b1 + i), z1);
+    z2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b2 + i), z2);
+    z3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b3 + i), z3);
+  }
+  finish4(fold(z0), fold(z1), fold(z2), fold(z3), out);
+}
+
+#endif
 
 // Cephes' expf on 8 lanes (~1 ulp on the range softmax uses: x <= 0).
 inline __m256 exp8(__m256 x) {
@@ -121,9 +155,25 @@ inline int64_t visible_keys(const uint8_t* row, int64_t S, int64_t causal, int64
   return n;
 }
 
+// exp(p_i - m) in place for the n scores of a row whose max is m (8 lanes, the tail padded, then zeroed),
+// returns 1 / sum_i p_i (the sum in 8 lanes by i mod 8, then one fixed horizontal sum). p: n + 8 floats.
+inline float softmax_weights(float* p, int64_t n, float m) {
+  const int64_t padded = (n + 7) / 8 * 8;
+  for (int64_t i = n; i < padded; ++i) p[i] = m;
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 lsum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < padded; i += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&p[i]), vm));
+    _mm256_storeu_ps(&p[i], e);
+  }
+  for (int64_t i = n; i < padded; ++i) p[i] = 0.0f;
+  for (int64_t i = 0; i < padded; i += 8) lsum = _mm256_add_ps(lsum, _mm256_loadu_ps(&p[i]));
+  return 1.0f / hsum8(lsum);
+}
+
 // One query row over its n visible keys idx[0..n) (slot order) of one KV head: o = softmax(scale q K^T) V.
-// p: scratch of at least n + 8 floats. Every caller runs this same code, so a row's bits depend only on q and
-// its visible keys, never on which entry point or batch it came through.
+// p: scratch of at least n + 8 floats. Every caller runs this same code (or attend_heads, its bitwise twin), so a
+// row's bits depend only on q and its visible keys, never on which entry point or batch it came through.
 inline void attend_row(const float* qr, const float* kr, const float* vr, int64_t ks, int64_t vs,
                        const int64_t* idx, int64_t n, int64_t D, float scale, float* p, float* o) {
   if (n <= 0) {  // no visible key: zeros (SDPA would give NaN; no caller builds such a row)
@@ -145,17 +195,7 @@ inline void attend_row(const float* qr, const float* kr, const float* vr, int64_
     p[scored] = dot(qr, kr + idx[scored] * ks, D) * scale;
     m = p[scored] > m ? p[scored] : m;
   }
-  const int64_t padded = (n + 7) / 8 * 8;
-  for (int64_t i = n; i < padded; ++i) p[i] = m;
-  const __m256 vm = _mm256_set1_ps(m);
-  __m256 lsum = _mm256_setzero_ps();
-  for (int64_t i = 0; i < padded; i += 8) {
-    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&p[i]), vm));
-    _mm256_storeu_ps(&p[i], e);
-  }
-  for (int64_t i = n; i < padded; ++i) p[i] = 0.0f;
-  for (int64_t i = 0; i < padded; i += 8) lsum = _mm256_add_ps(lsum, _mm256_loadu_ps(&p[i]));
-  const float inv = 1.0f / hsum8(lsum);
+  const float inv = softmax_weights(p, n, m);
   for (int64_t d0 = 0; d0 < D; d0 += CHUNK) {
     const int64_t w = D - d0 < CHUNK ? D - d0 : CHUNK;
     if (w == CHUNK) {
@@ -184,6 +224,113 @@ inline void attend_row(const float* qr, const float* kr, const float* vr, int64_
   }
 }
 
+#ifdef __AVX512F__
+// attend_row for G query heads of one KV head and one row (D a multiple of 32, n > 0), bitwise G calls of it: every
+// head's FMA sequences are attend_row's, in 16-lane registers (see fold), but each key and value row is loaded
+// once for the G heads, which gives the FMA units G independent chains. One head at a time, the chains over the
+// keys are latency-bound (a 64-wide row costs ~4 cycles per key whatever the register width).
+// Head g: query q + g * qh, scratch p + g * ps (n + 8 floats), output o + g * oh.
+template <int G>
+inline void attend_heads(const float* q, int64_t qh, const float* kr, const float* vr, int64_t ks, int64_t vs,
+                         const int64_t* idx, int64_t n, int64_t D, float scale, float* p, int64_t ps, float* o,
+                         int64_t oh) {
+  float m[G];
+  for (int g = 0; g < G; ++g) m[g] = -INFINITY;
+  int64_t scored = 0;
+  for (; scored + 4 <= n; scored += 4) {
+    const float* b0 = kr + idx[scored] * ks;
+    const float* b1 = kr + idx[scored + 1] * ks;
+    const float* b2 = kr + idx[scored + 2] * ks;
+    const float* b3 = kr + idx[scored + 3] * ks;
+    __m512 z[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) z[g][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 16) {
+      const __m512 k0 = _mm512_loadu_ps(b0 + i), k1 = _mm512_loadu_ps(b1 + i);
+      const __m512 k2 = _mm512_loadu_ps(b2 + i), k3 = _mm512_loadu_ps(b3 + i);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m512 x = _mm512_loadu_ps(q + g * qh + i);
+        z[g][0] = _mm512_fmadd_ps(x, k0, z[g][0]);
+        z[g][1] = _mm512_fmadd_ps(x, k1, z[g][1]);
+        z[g][2] = _mm512_fmadd_ps(x, k2, z[g][2]);
+        z[g][3] = _mm512_fmadd_ps(x, k3, z[g][3]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float* pg = p + g * ps;
+      finish4(fold(z[g][0]), fold(z[g][1]), fold(z[g][2]), fold(z[g][3]), &pg[scored]);
+      for (int64_t j = scored; j < scored + 4; ++j) {
+        pg[j] *= scale;
+        m[g] = pg[j] > m[g] ? pg[j] : m[g];
+      }
+    }
+  }
+  for (; scored < n; ++scored)
+    for (int g = 0; g < G; ++g) {
+      float* pg = p + g * ps;
+      pg[scored] = dot16(q + g * qh, kr + idx[scored] * ks, D) * scale;
+      m[g] = pg[scored] > m[g] ? pg[scored] : m[g];
+    }
+  __m512 vi[G];
+  for (int g = 0; g < G; ++g) vi[g] = _mm512_set1_ps(softmax_weights(p + g * ps, n, m[g]));
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int w = D - d0 >= 64 ? 4 : 2;  // 64 or 32 elements per pass; each one's FMAs over i in order
+    __m512 a[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) a[g][c] = _mm512_setzero_ps();
+    if (w == 4)
+      for (int64_t i = 0; i < n; ++i) {
+        const float* vv = vr + idx[i] * vs + d0;
+        const __m512 v0 = _mm512_loadu_ps(vv), v1 = _mm512_loadu_ps(vv + 16);
+        const __m512 v2 = _mm512_loadu_ps(vv + 32), v3 = _mm512_loadu_ps(vv + 48);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          const __m512 pi = _mm512_set1_ps(p[g * ps + i]);
+          a[g][0] = _mm512_fmadd_ps(pi, v0, a[g][0]);
+          a[g][1] = _mm512_fmadd_ps(pi, v1, a[g][1]);
+          a[g][2] = _mm512_fmadd_ps(pi, v2, a[g][2]);
+          a[g][3] = _mm512_fmadd_ps(pi, v3, a[g][3]);
+        }
+      }
+    else
+      for (int64_t i = 0; i < n; ++i) {
+        const float* vv = vr + idx[i] * vs + d0;
+        const __m512 v0 = _mm512_loadu_ps(vv), v1 = _mm512_loadu_ps(vv + 16);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) {
+          const __m512 pi = _mm512_set1_ps(p[g * ps + i]);
+          a[g][0] = _mm512_fmadd_ps(pi, v0, a[g][0]);
+          a[g][1] = _mm512_fmadd_ps(pi, v1, a[g][1]);
+        }
+      }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < w; ++c) _mm512_storeu_ps(o + g * oh + d0 + 16 * c, _mm512_mul_ps(a[g][c], vi[g]));
+  }
+}
+#endif
+
+constexpr int MAX_GROUP_BLOCK = 4;  // query heads attend_heads takes at once (registers: 4 x 4 accumulators)
+
+// Every query head of one KV head for one row: heads 0 .. group - 1 at q + g * qh, outputs at o + g * oh, over the
+// same visible keys. p: scratch of MAX_GROUP_BLOCK * ps floats, ps >= n + 8.
+inline void attend_kv_head(const float* q, int64_t qh, int64_t group, const float* kr, const float* vr, int64_t ks,
+                           int64_t vs, const int64_t* idx, int64_t n, int64_t D, float scale, float* p, int64_t ps,
+                           float* o, int64_t oh) {
+#ifdef __AVX512F__
+  if (D % 32 == 0 && n > 0) {
+    int64_t g = 0;
+    for (; g + 4 <= group; g += 4) attend_heads<4>(q + g * qh, qh, kr, vr, ks, vs, idx, n, D, scale, p, ps, o + g * oh, oh);
+    const int64_t left = group - g;
+    if (left == 3) attend_heads<3>(q + g * qh, qh, kr, vr, ks, vs, idx, n, D, scale, p, ps, o + g * oh, oh);
+    if (left == 2) attend_heads<2>(q + g * qh, qh, kr, vr, ks, vs, idx, n, D, scale, p, ps, o + g * oh, oh);
+    if (left == 1) attend_heads<1>(q + g * qh, qh, kr, vr, ks, vs, idx, n, D, scale, p, ps, o + g * oh, oh);
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) attend_row(q + g * qh, kr, vr, ks, vs, idx, n, D, scale, p, o + g * oh);
+}
+
 }  // namespace
 
 extern "C" {
@@ -197,22 +344,22 @@ void byblock_row_attention(const float* q, int64_t B, int64_t H, int64_t T, int6
                            int64_t kh, int64_t ks, int64_t vb, int64_t vh, int64_t vs, const uint8_t* visible,
                            int64_t mask_batches, int64_t mask_heads, float scale, float* out, int threads) {
   const int64_t group = H / Hkv;
-  const int64_t items = B * H * T;
+  const int64_t items = B * Hkv * T;  // (batch, KV head, row): its query heads share the keys (attend_kv_head)
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> p(S + 8);
+    std::vector<float> p(MAX_GROUP_BLOCK * (S + 8));
     std::vector<int64_t> idx(S);
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t b = item / (H * T), h = (item / T) % H, t = item % T;
-      const float* qr = q + b * qb + h * qh + t * qt;
-      const float* kr = k + b * kb + (h / group) * kh;
-      const float* vr = v + b * vb + (h / group) * vh;
-      float* o = out + ((b * T + t) * H + h) * D;
-      const int64_t mb = mask_batches == 1 ? 0 : b, mh = mask_heads == 1 ? 0 : h / group;
+      const int64_t b = item / (Hkv * T), kvh = (item / T) % Hkv, t = item % T;
+      const float* qr = q + b * qb + kvh * group * qh + t * qt;
+      const float* kr = k + b * kb + kvh * kh;
+      const float* vr = v + b * vb + kvh * vh;
+      float* o = out + ((b * T + t) * H + kvh * group) * D;
+      const int64_t mb = mask_batches == 1 ? 0 : b, mh = mask_heads == 1 ? 0 : kvh;
       const uint8_t* row = visible ? visible + ((mb * mask_heads + mh) * T + t) * S : nullptr;
       const int64_t n = visible_keys(row, S, S - T + t + 1, idx.data());
-      attend_row(qr, kr, vr, ks, vs, idx.data(), n, D, scale, p.data(), o);
+      attend_kv_head(qr, qh, group, kr, vr, ks, vs, idx.data(), n, D, scale, p.data(), S + 8, o, D);
     }
   }
 }
@@ -236,11 +383,11 @@ void byblock_packed_row_attention(const float* q, int64_t H, int64_t D, int64_t 
                                   int64_t Hkv, const int64_t* seg, int64_t n_seg, float scale, float* out,
                                   int threads) {
   const int64_t group = H / Hkv;
-  std::vector<int64_t> first(n_seg + 1, 0);  // first[s]: index of segment s's first (head, row) item
+  std::vector<int64_t> first(n_seg + 1, 0);  // first[s]: index of segment s's first (KV head, row) item
   int64_t widest = 0;
   for (int64_t s = 0; s < n_seg; ++s) {
     const int64_t* f = seg + s * SEG_FIELDS;
-    first[s + 1] = first[s] + H * (f[1] - f[0]);
+    first[s + 1] = first[s] + Hkv * (f[1] - f[0]);
     widest = f[2] + f[1] - f[0] > widest ? f[2] + f[1] - f[0] : widest;
   }
 #pragma omp parallel num_threads(threads)
@@ -256,21 +403,22 @@ void byblock_packed_row_attention(const float* q, int64_t H, int64_t D, int64_t 
         memcpy(vb + (r - f[0]) * f[8], vnew + h * nvh + r * nvt, D * sizeof(float));
       }
     }
-    std::vector<float> p(widest + 8);
+    std::vector<float> p(MAX_GROUP_BLOCK * (widest + 8));
     std::vector<int64_t> idx(widest);
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(dynamic, 2)
     for (int64_t item = 0; item < first[n_seg]; ++item) {
       int64_t s = 0;
       while (first[s + 1] <= item) ++s;
       const int64_t* f = seg + s * SEG_FIELDS;
       const int64_t T = f[1] - f[0], S = f[2] + T, local = item - first[s];
-      const int64_t h = local / T, t = local % T, kvh = h / group;
+      const int64_t kvh = local / T, t = local % T;
       const int64_t mh = f[10] == 1 ? 0 : kvh;
       const uint8_t* row = f[9] ? reinterpret_cast<const uint8_t*>(f[9]) + (mh * T + t) * S : nullptr;
       const int64_t n = visible_keys(row, S, f[2] + t + 1, idx.data());
-      attend_row(q + h * qh + (f[0] + t) * qt, reinterpret_cast<const float*>(f[3]) + kvh * f[5],
-                 reinterpret_cast<const float*>(f[4]) + kvh * f[7], f[6], f[8], idx.data(), n, D, scale, p.data(),
-                 out + ((f[0] + t) * H + h) * D);
+      attend_kv_head(q + kvh * group * qh + (f[0] + t) * qt, qh, group,
+                     reinterpret_cast<const float*>(f[3]) + kvh * f[5], reinterpret_cast<const float*>(f[4]) + kvh * f[7],
+                     f[6], f[8], idx.data(), n, D, scale, p.data(), widest + 8, out + ((f[0] + t) * H + kvh * group) * D,
+                     D);
     }
   }
 }
