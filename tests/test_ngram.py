@@ -19,3 +19,23 @@ def test_newest_first_among_full_length_matches():
 def test_no_match():
     assert find_continuations([1, 2, 3], n=1, length=4, limit=1) == []
     assert find_continuations([1], n=2, length=4, limit=1) == []
+
+
+def test_match_starts_equals_the_tensor_scan_it_replaced():
+    """The list scan finds exactly the starts the unfold-and-compare tensor scan found, for every n."""
+    import random
+
+    import torch
+
+    from byblock.drafters.ngram import match_starts
+
+    rng = random.Random(0)
+    for _ in range(300):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        for n in (1, 2, 3):
+            if len(tokens) <= n:
+                assert match_starts(tokens, n) == []
+                continue
+            t = torch.tensor(tokens)
+            want = torch.nonzero((t.unfold(0, n, 1)[:-1] == t[-n:]).all(-1)).flatten().tolist()
+            assert match_starts(tokens, n) == want, (tokens, n)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from byblock.drafters.base import StatelessDrafter
 from byblock.errors import InvalidParameterError
 from byblock.verify.types import Draft
@@ -40,11 +38,7 @@ def find_continuations(tokens: list[int], n: int, length: int, limit: int) -> li
     the query and its continuation is cut short by the end of the context, while a slightly older match
     offers a full block. Distinct continuations only; at most `limit`. O(len(tokens)) per call.
     """
-    if len(tokens) <= n:
-        return []
-    t = torch.tensor(tokens, device="cpu")  # matching runs on the host, over the token history
-    windows = t.unfold(0, n, 1)[:-1]  # [L-n, n]: every n-gram except the final (the query itself)
-    hits = torch.nonzero((windows == t[-n:]).all(-1)).flatten().tolist()
+    hits = match_starts(tokens, n)
     out: list[list[int]] = []
     candidates = sorted((tokens[s + n : s + n + length] for s in reversed(hits)), key=len, reverse=True)
     for cont in candidates:
@@ -53,6 +47,26 @@ def find_continuations(tokens: list[int], n: int, length: int, limit: int) -> li
             if len(out) >= limit:
                 break
     return out
+
+
+def match_starts(tokens: list[int], n: int) -> list[int]:
+    """Ascending starts s of the earlier n-grams equal to the last n tokens (the final n-gram, the query itself,
+    excluded). The scan for the last token runs in `list.index` (C), then each candidate's n-gram is compared:
+    a per-round cost of a few microseconds, where a tensor of the history cost ~50 per n (a batched round pays
+    it once per request)."""
+    size = len(tokens)
+    if size <= n:
+        return []
+    last, key, hits = tokens[-1], tokens[size - n :], []
+    end = n - 1  # index of a candidate n-gram's last token: n - 1 .. size - 2
+    while True:
+        try:
+            end = tokens.index(last, end, size - 1)
+        except ValueError:
+            return hits
+        if tokens[end - n + 1 : end + 1] == key:
+            hits.append(end - n + 1)
+        end += 1
 
 
 def trie_draft(continuations: list[list[int]], budget: int) -> Draft:
