@@ -68,3 +68,17 @@ def test_extreme_temperature_and_top_p_stay_valid_distributions():
         assert torch.isfinite(probs).all()
         assert torch.equal(probs.argmax(-1), logits.argmax(-1))
         assert torch.allclose(probs.max(-1).values, torch.ones(2))
+
+
+def test_first_max_is_argmax_ties_included():
+    """first_max (the max-reduction's index) is argmax bit for bit: random rows, ties (the first one wins), -inf
+    rows from grammar masks, a single column."""
+    from byblock.sampling.processors import first_max
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1000, generator=g)
+    ties = torch.randint(0, 3, (64, 1000), generator=g).float()  # many equal maxima per row
+    masked = torch.full((4, 50), float("-inf"))
+    masked[:, 7] = 0.0
+    for t in (x, ties, masked, torch.full((3, 9), float("-inf")), x[:, :1], x[0]):
+        assert torch.equal(first_max(t), t.argmax(-1))

@@ -317,9 +317,14 @@ class AdaptiveDrafter:
         return drafted.rate() >= rested.rate()
 
     def _lookup_rates(self, length: int) -> list[float]:
-        """The forward's tokens per second with the lookup chain cut to l = 0..length nodes and no drafter."""
-        expected = expected_tokens((self.look_accepted / self.look_reached)[:length])  # E(l), l = 0..L
-        return [self._rate(float(expected[n]), n + 1, 0.0) for n in range(length + 1)]
+        """The forward's tokens per second with the lookup chain cut to l = 0..length nodes and no drafter:
+        E(l) = 1 + Σ_{j ≤ l} Π_{i ≤ j} β_i, in host floats (once per request and round: tensor ops cost more)."""
+        rates, expected, run = [self._rate(1.0, 1, 0.0)], 1.0, 1.0
+        for n, beta in enumerate((self.look_accepted[:length] / self.look_reached[:length]).tolist(), 1):
+            run *= beta
+            expected += run
+            rates.append(self._rate(expected, n + 1, 0.0))
+        return rates
 
     def _rest_hybrid(self, look: Draft) -> Draft:
         """A round without the drafter: the lookup chain alone, cut to its most profitable length."""

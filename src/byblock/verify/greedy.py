@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from byblock.sampling.processors import first_max
 from byblock.verify.types import Draft, Rows, Verdict
 
 
@@ -33,6 +34,6 @@ def verify_greedy(draft: Draft, target_logits: Rows) -> Verdict:
     host sync per round on a GPU. Lazy rows (TargetRows: the CPU path, whose LM head runs only on the rows a
     walk reads) are read row by row, only those on the path."""
     if isinstance(target_logits, torch.Tensor):
-        choices = target_logits.argmax(-1).tolist()
+        choices = first_max(target_logits).tolist()
         return follow(draft, choices.__getitem__)
-    return follow(draft, lambda row: int(target_logits[row].argmax()))
+    return follow(draft, lambda row: int(first_max(target_logits[row])))

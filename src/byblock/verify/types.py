@@ -51,7 +51,15 @@ class Draft:
     def chain(tokens: torch.Tensor | list[int], q: torch.Tensor | None = None) -> Draft:
         """A linear draft: tokens[i] follows tokens[i-1] (a list becomes host metadata, on the CPU)."""
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=tokens.device if torch.is_tensor(tokens) else "cpu")
-        return Draft(tokens=tokens, parents=torch.arange(-1, tokens.numel() - 1, device=tokens.device), q=q)
+        if q is not None and q.shape[0] != tokens.numel():
+            raise ValueError("q must have one row per drafted token")
+        # Parents 0 .. n-2 by construction: a chain, so the topological checks (four tensor ops, a few µs of
+        # every round of every request) are skipped.
+        draft = object.__new__(Draft)
+        for name, value in (("tokens", tokens), ("q", q), ("is_chain", True)):
+            object.__setattr__(draft, name, value)
+        object.__setattr__(draft, "parents", torch.arange(-1, tokens.numel() - 1, device=tokens.device))
+        return draft
 
     @staticmethod
     def tree(tokens: list[int], parents: list[int]) -> Draft:
