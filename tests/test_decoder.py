@@ -89,5 +89,5 @@ def test_fused_projections_share_storage():
     ours, _ = pair("llama-int4")
     layer = ours.decoder.layers[0]
     assert layer.qkv is not None and layer.gate_up is not None
-    q = layer.attn.q_proj
-    assert q.q.untyped_storage().data_ptr() == layer.qkv.q.untyped_storage().data_ptr()
+    q, qkv = layer.attn.q_proj, layer.qkv.module  # the decoder calls the fused linear bound (QuantGemm.bind)
+    assert q.q.untyped_storage().data_ptr() == qkv.q.untyped_storage().data_ptr()

@@ -215,3 +215,20 @@ def test_unknown_activations_are_refused_before_loading(tmp_path):
     argv = [sys.executable, "-m", "byblock.cli.main", "generate", "hi", "--activations", "int4"]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 2 and "invalid choice: 'int4'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_bound_linear_is_its_module_bitwise_and_follows_replaced_weights(bits):
+    """QuantGemm.bind (the decoder's hot path) calls the kernel the module's forward calls, with the same bits, for
+    1 and many rows and a bias; once the module's weights are replaced it takes the module's path instead of
+    reading the old pointers."""
+    kernel = kernel_or_skip(("int8", "avx2"))
+    g = torch.Generator().manual_seed(0)
+    lin = QuantLinear(quantize(torch.randn(40, 64, generator=g), bits), torch.randn(40, generator=g), kernel)
+    call = kernel.bind(lin)
+    for rows in (1, 5):
+        x = torch.randn(2, rows, 64, generator=g)
+        assert torch.equal(call(x), lin(x))
+    lin.q = quantize(torch.randn(40, 64, generator=g), bits).q  # new weights of the same layout
+    x = torch.randn(3, 64, generator=g)
+    assert torch.equal(call(x), lin(x))

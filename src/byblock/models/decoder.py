@@ -89,6 +89,18 @@ def _fuse(linears: list[nn.Module]) -> nn.Module | None:
     return None
 
 
+def _bound(m: nn.Module | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    return None if m is None else _fast(m)
+
+
+def _fast(m: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`m` as the decoder calls it: a quantized linear on its kernel as a bound function (QuantGemm.bind, ~10 µs
+    less Python per call, the same kernel call), anything else as the module itself."""
+    if isinstance(m, QuantLinear) and m.kernel is not None:
+        return m.kernel.bind(m)
+    return m
+
+
 @dataclass(frozen=True)
 class _Layer:
     attn: nn.Module  # transformers' attention module: layer_idx, scaling, config for the attention kernel
@@ -97,11 +109,13 @@ class _Layer:
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None  # qwen3's per-head norms
     k_norm: torch.Tensor | None
-    qkv: nn.Module | None  # fused q / k / v, or None: the three projections
-    gate_up: nn.Module | None
+    qkv: Callable[[torch.Tensor], torch.Tensor] | None  # fused q / k / v (_fast), or None: the three projections
+    gate_up: Callable[[torch.Tensor], torch.Tensor] | None
     q_size: int
     kv_size: int
     inter: int
+    o_proj: Callable[[torch.Tensor], torch.Tensor]  # the layer's linears as the loop calls them (_fast)
+    down_proj: Callable[[torch.Tensor], torch.Tensor]
 
 
 class DecoderForward:
@@ -127,11 +141,13 @@ class DecoderForward:
                     post_norm=layer.post_attention_layernorm.weight,
                     q_norm=None if qn is None else qn.weight,
                     k_norm=None if kn is None else kn.weight,
-                    qkv=_fuse([a.q_proj, a.k_proj, a.v_proj]),
-                    gate_up=_fuse([mlp.gate_proj, mlp.up_proj]),
+                    qkv=_bound(_fuse([a.q_proj, a.k_proj, a.v_proj])),
+                    gate_up=_bound(_fuse([mlp.gate_proj, mlp.up_proj])),
                     q_size=a.q_proj.out_features,
                     kv_size=a.k_proj.out_features,
                     inter=mlp.gate_proj.out_features,
+                    o_proj=_fast(a.o_proj),
+                    down_proj=_fast(mlp.down_proj),
                 )
             )
         self.head_dim = self.layers[0].attn.head_dim
@@ -183,13 +199,13 @@ class DecoderForward:
                 q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)
                 v = v.transpose(1, 2)
             out = attend(a, q, k, v)
-            h = h + a.o_proj(out.reshape(b, t, -1))
+            h = h + L.o_proj(out.reshape(b, t, -1))
             x = _rms(h, L.post_norm, eps)
             if L.gate_up is not None:
                 gate, up = L.gate_up(x).split((L.inter, L.inter), dim=-1)
             else:
                 gate, up = L.mlp.gate_proj(x), L.mlp.up_proj(x)
-            h = h + L.mlp.down_proj(F.silu(gate) * up)
+            h = h + L.down_proj(F.silu(gate) * up)
             if i in hidden_layers and i != last:
                 hidden[i] = h
         final = _rms(h, self.norm_weight, eps)
