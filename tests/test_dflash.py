@@ -227,3 +227,19 @@ def test_drafter_beside_a_quantized_target_runs_int8_groups_and_is_lossless(tmp_
     for prompt in ([5, 17, 33, 9], [7, 7, 7]):
         _, spec = greedy_outputs_match(target, prompt, SamplingParams(max_new_tokens=40), drafter)
         assert spec.stats.rounds > 0
+
+
+def test_fused_rms_norm_is_the_composition_bitwise():
+    """The drafter's fp32 RMSNorm runs torch's fused op; it must give the reference composition's bits (the norms
+    sit on every path a drafted token takes, so a difference would move proposals and break batched == solo)."""
+    from byblock.drafters.dflash_model import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for dim, shape in ((64, (3, 9, 5)), (576, (1, 17)), (576, (2, 40, 3))):
+        norm = RMSNorm(dim, 1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(dim, generator=g))
+        x = torch.randn(*shape, dim, generator=g) * 3
+        ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        with torch.inference_mode():
+            assert torch.equal(norm(x), norm.weight * ref)
