@@ -107,8 +107,9 @@ SEGMENT_FIELDS = 11  # csrc/row_attention.cpp's SEG_FIELDS
 def load_row_attention(isa: str | None = None) -> RowAttention | None:
     """The kernel compiled for this CPU (AVX-512 where it has it, else AVX2 + FMA) or for the named build, or None
     where it cannot be built. Both builds give the same bits (tests/test_row_attention.py)."""
-    if isa is None:
-        isa = "avx512" if "avx512f" in (cpu_flags() or ()) else "avx2"
+    if isa is None:  # the widest build this CPU runs; the AVX2 one where the AVX-512 build does not compile
+        wide = load_row_attention("avx512") if "avx512f" in (cpu_flags() or ()) else None
+        return wide or load_row_attention("avx2")
     if isa not in ISA_FLAGS:
         raise ValueError(f"unknown ISA {isa!r}; expected one of {sorted(ISA_FLAGS)}")
     library = load_library("row_attention", ISA_FLAGS[isa])
