@@ -99,23 +99,23 @@ class QuantGemm:
         as `run` with the weight's pointers resolved once (the closure keeps its tensors alive), without the
         module machinery. A decode step makes ~120 of these calls, each ~10 µs of Python through `forward`."""
         fn = self._lib.byblock_int4_linear if w.bits == 4 else self._lib.byblock_int8_linear
-        q, scale, minv, bias = w.q, w.scale, w.minv, w.bias
-        n, k = w.out_features, w.in_features
-        head = (q.data_ptr(), scale.data_ptr(), minv.data_ptr()) if w.bits == 4 else (q.data_ptr(), scale.data_ptr())
+        n, k, bias, buffers = w.out_features, w.in_features, w.bias, w._buffers
+        q, scale = w.q, w.scale
+        tensors = (q, scale, w.minv) if w.bits == 4 else (q, scale)  # the kernel's weight arguments
+        pointers = tuple(t.data_ptr() for t in tensors)
         b = None if bias is None else bias.data_ptr()
         threads = torch.get_num_threads
 
-        buffers = w._buffers
-
         def call(x: torch.Tensor) -> torch.Tensor:
-            # The module's path where it differs: autograd, other dtypes, or buffers replaced since binding.
+            # The module's path where it differs: autograd, other dtypes, or weights replaced since binding (codes
+            # and scales are replaced together, minv with them).
             if x.requires_grad or x.dtype != torch.float32 or buffers["q"] is not q or buffers["scale"] is not scale:
                 return w(x)
             rows = x.numel() // k
             x2 = x.reshape(rows, k).contiguous()
             y = torch.empty(rows, n, dtype=torch.float32, device=x.device)
             if rows:
-                fn(x2.data_ptr(), rows, k, *head, n, b, y.data_ptr(), threads())
+                fn(x2.data_ptr(), rows, k, *pointers, n, b, y.data_ptr(), threads())
             return y.view(*x.shape[:-1], n)
 
         call.module = w  # the linear it computes (its tensors: what the pointers point into)

@@ -56,9 +56,9 @@ class Draft:
         # Parents 0 .. n-2 by construction: a chain, so the topological checks (four tensor ops, a few µs of
         # every round of every request) are skipped.
         draft = object.__new__(Draft)
-        for name, value in (("tokens", tokens), ("q", q), ("is_chain", True)):
+        parents = torch.arange(-1, tokens.numel() - 1, device=tokens.device)
+        for name, value in (("tokens", tokens), ("parents", parents), ("q", q), ("is_chain", True)):
             object.__setattr__(draft, name, value)
-        object.__setattr__(draft, "parents", torch.arange(-1, tokens.numel() - 1, device=tokens.device))
         return draft
 
     @staticmethod

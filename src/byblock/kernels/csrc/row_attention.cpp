@@ -32,8 +32,6 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, sh));
 }
 
-inline void finish4(__m256 v0, __m256 v1, __m256 v2, __m256 v3, float* out);
-
 inline float dot(const float* a, const float* b, int64_t d) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
@@ -48,6 +46,21 @@ inline float dot(const float* a, const float* b, int64_t d) {
   float s = hsum8(_mm256_add_ps(acc0, acc1));
   for (; i < d; ++i) s += a[i] * b[i];
   return s;
+}
+
+// hsum8 of four keys' lane sums side by side (dot4's last step): out[k] = hsum8(v_k), bitwise.
+inline void finish4(__m256 v0, __m256 v1, __m256 v2, __m256 v3, float* out) {
+  // u_k = v_k[0:4] + v_k[4:8]: keys 0 | 1 and 2 | 3 in the two 128-bit lanes
+  const __m256 u01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
+  const __m256 u23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
+  const __m256 h = _mm256_hadd_ps(u01, u23);  // lane 0: u0 pairs, u2 pairs; lane 1: u1 pairs, u3 pairs
+  const __m256 r = _mm256_hadd_ps(h, h);      // lane 0: key 0, key 2; lane 1: key 1, key 3
+  alignas(32) float t[8];
+  _mm256_store_ps(t, r);
+  out[0] = t[0];
+  out[1] = t[4];
+  out[2] = t[1];
+  out[3] = t[5];
 }
 
 // dot() of one q with four keys at once, bitwise dot()'s four results (D a multiple of 8): the same FMAs per
@@ -79,21 +92,6 @@ inline void dot4(const float* a, const float* b0, const float* b1, const float* 
   finish4(_mm256_add_ps(x0, y0), _mm256_add_ps(x1, y1), _mm256_add_ps(x2, y2), _mm256_add_ps(x3, y3), out);
 }
 
-// hsum8 of four keys' lane sums side by side (dot4's last step): out[k] = hsum8(v_k), bitwise.
-inline void finish4(__m256 v0, __m256 v1, __m256 v2, __m256 v3, float* out) {
-  // u_k = v_k[0:4] + v_k[4:8]: keys 0 | 1 and 2 | 3 in the two 128-bit lanes
-  const __m256 u01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
-  const __m256 u23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
-  const __m256 h = _mm256_hadd_ps(u01, u23);  // lane 0: u0 pairs, u2 pairs; lane 1: u1 pairs, u3 pairs
-  const __m256 r = _mm256_hadd_ps(h, h);      // lane 0: key 0, key 2; lane 1: key 1, key 3
-  alignas(32) float t[8];
-  _mm256_store_ps(t, r);
-  out[0] = t[0];
-  out[1] = t[4];
-  out[2] = t[1];
-  out[3] = t[5];
-}
-
 #ifdef __AVX512F__
 // The AVX-512 build (D a multiple of 32): one 16-lane register holds what the AVX2 code keeps in two 8-lane ones
 // (lanes 0-7 its first, 8-15 its second), so every lane's FMA sequence, and the folds after, are the AVX2 code's:
@@ -107,20 +105,6 @@ inline float dot16(const float* a, const float* b, int64_t d) {  // dot(), d % 1
   for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
   return hsum8(fold(acc));
 }
-
-inline void dot4x16(const float* a, const float* b0, const float* b1, const float* b2, const float* b3, int64_t d,
-                    float* out) {  // dot4(), d % 16 == 0
-  __m512 z0 = _mm512_setzero_ps(), z1 = _mm512_setzero_ps(), z2 = _mm512_setzero_ps(), z3 = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += 16) {
-    const __m512 x = _mm512_loadu_ps(a + i);
-    z0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b0 + i), z0);
-    z1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b1 + i), z1);
-    z2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b2 + i), z2);
-    z3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b3 + i), z3);
-  }
-  finish4(fold(z0), fold(z1), fold(z2), fold(z3), out);
-}
-
 #endif
 
 // Cephes' expf on 8 lanes (~1 ulp on the range softmax uses: x <= 0).
@@ -224,6 +208,8 @@ inline void attend_row(const float* qr, const float* kr, const float* vr, int64_
   }
 }
 
+constexpr int MAX_GROUP_BLOCK = 4;  // query heads attend_heads takes at once (registers: 4 x 4 accumulators)
+
 #ifdef __AVX512F__
 // attend_row for G query heads of one KV head and one row (D a multiple of 32, n > 0), bitwise G calls of it: every
 // head's FMA sequences are attend_row's, in 16-lane registers (see fold), but each key and value row is loaded
@@ -310,8 +296,6 @@ inline void attend_heads(const float* q, int64_t qh, const float* kr, const floa
 }
 #endif
 
-constexpr int MAX_GROUP_BLOCK = 4;  // query heads attend_heads takes at once (registers: 4 x 4 accumulators)
-
 // Every query head of one KV head for one row: heads 0 .. group - 1 at q + g * qh, outputs at o + g * oh, over the
 // same visible keys. p: scratch of MAX_GROUP_BLOCK * ps floats, ps >= n + 8.
 inline void attend_kv_head(const float* q, int64_t qh, int64_t group, const float* kr, const float* vr, int64_t ks,
@@ -320,7 +304,8 @@ inline void attend_kv_head(const float* q, int64_t qh, int64_t group, const floa
 #ifdef __AVX512F__
   if (D % 32 == 0 && n > 0) {
     int64_t g = 0;
-    for (; g + 4 <= group; g += 4) attend_heads<4>(q + g * qh, qh, kr, vr, ks, vs, idx, n, D, scale, p, ps, o + g * oh, oh);
+    for (; g + MAX_GROUP_BLOCK <= group; g += MAX_GROUP_BLOCK)
+      attend_heads<MAX_GROUP_BLOCK>(q + g * qh, qh, kr, vr, ks, vs, idx, n, D, scale, p, ps, o + g * oh, oh);
     const int64_t left = group - g;
     if (left == 3) attend_heads<3>(q + g * qh, qh, kr, vr, ks, vs, idx, n, D, scale, p, ps, o + g * oh, oh);
     if (left == 2) attend_heads<2>(q + g * qh, qh, kr, vr, ks, vs, idx, n, D, scale, p, ps, o + g * oh, oh);
