@@ -137,7 +137,7 @@ def test_bad_shapes_are_refused(kernel):
 def test_packed_segments_are_bitwise_each_segments_own_call(kernel):
     """`packed` (a whole packed forward's decode / verify segments in one call) writes each segment's new K/V
     into its buffers and gives each row the bits the per-segment call gives it: causal rows, a mask's key sets,
-    strided inputs, segments of different pasts."""
+    strided inputs, segments of different pasts, however the rows are split between threads."""
     g = torch.Generator().manual_seed(3)
     h, hkv, d = 6, 2, 64
     specs = [(1, 17, None), (4, 30, "tree"), (3, 5, None), (2, 250, "tree")]  # (rows, past, mask)
@@ -160,9 +160,17 @@ def test_packed_segments_are_bitwise_each_segments_own_call(kernel):
         table.append((start, start + t, past, kb.data_ptr(), vb.data_ptr(), *kb.stride()[1:3], *vb.stride()[1:3],
                       0 if vis is None else vis.data_ptr(), 1))  # fmt: skip
         start += t
-    out = torch.full((rows, h, d), float("nan"))
-    kernel.packed(q, k_new, v_new, torch.tensor(table), 0.125, out)
-    assert torch.equal(out, torch.cat(want))
+    # The kernel splits each segment's rows into runs sized by the thread count (1: long runs, 8: one row each):
+    # every split gives the same bits.
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 8):
+            torch.set_num_threads(n)
+            out = torch.full((rows, h, d), float("nan"))
+            kernel.packed(q, k_new, v_new, torch.tensor(table), 0.125, out)
+            assert torch.equal(out, torch.cat(want)), n
+    finally:
+        torch.set_num_threads(threads)
     for kb, vb, keys, vals in bufs:
         n = keys.shape[2]
         assert torch.equal(kb[:, :, :n], keys) and torch.equal(vb[:, :, :n], vals)

@@ -368,13 +368,26 @@ void byblock_packed_row_attention(const float* q, int64_t H, int64_t D, int64_t 
                                   int64_t Hkv, const int64_t* seg, int64_t n_seg, float scale, float* out,
                                   int threads) {
   const int64_t group = H / Hkv;
-  std::vector<int64_t> first(n_seg + 1, 0);  // first[s]: index of segment s's first (KV head, row) item
-  int64_t widest = 0;
+  // Jobs: (segment, KV head, a run of its rows). A KV head's keys and values come from memory once per job and
+  // stay in that core's caches for the job's other rows, so a segment's rows run together, split only as far as
+  // the cores need work (a lone verify segment has Hkv jobs per run of rows). Every row is computed exactly as
+  // alone, whatever job holds it.
+  int64_t widest = 0, items = 0;
   for (int64_t s = 0; s < n_seg; ++s) {
     const int64_t* f = seg + s * SEG_FIELDS;
-    first[s + 1] = first[s] + Hkv * (f[1] - f[0]);
     widest = f[2] + f[1] - f[0] > widest ? f[2] + f[1] - f[0] : widest;
+    items += Hkv * (f[1] - f[0]);
   }
+  const int64_t want = 4 * static_cast<int64_t>(threads > 0 ? threads : 1);  // jobs for balance
+  const int64_t run = items > want ? (items + want - 1) / want : 1;          // rows per job, at most
+  std::vector<int64_t> jobs;  // (segment, KV head, first row, end row) x n
+  for (int64_t s = 0; s < n_seg; ++s) {
+    const int64_t* f = seg + s * SEG_FIELDS;
+    const int64_t T = f[1] - f[0];
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t t0 = 0; t0 < T; t0 += run) jobs.insert(jobs.end(), {s, h, t0, t0 + run < T ? t0 + run : T});
+  }
+  const int64_t n_jobs = static_cast<int64_t>(jobs.size()) / 4;
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
@@ -390,20 +403,20 @@ void byblock_packed_row_attention(const float* q, int64_t H, int64_t D, int64_t 
     }
     std::vector<float> p(MAX_GROUP_BLOCK * (widest + 8));
     std::vector<int64_t> idx(widest);
-#pragma omp for schedule(dynamic, 2)
-    for (int64_t item = 0; item < first[n_seg]; ++item) {
-      int64_t s = 0;
-      while (first[s + 1] <= item) ++s;
-      const int64_t* f = seg + s * SEG_FIELDS;
-      const int64_t T = f[1] - f[0], S = f[2] + T, local = item - first[s];
-      const int64_t kvh = local / T, t = local % T;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t j = 0; j < n_jobs; ++j) {
+      const int64_t* job = jobs.data() + 4 * j;
+      const int64_t* f = seg + job[0] * SEG_FIELDS;
+      const int64_t T = f[1] - f[0], S = f[2] + T, kvh = job[1];
       const int64_t mh = f[10] == 1 ? 0 : kvh;
-      const uint8_t* row = f[9] ? reinterpret_cast<const uint8_t*>(f[9]) + (mh * T + t) * S : nullptr;
-      const int64_t n = visible_keys(row, S, f[2] + t + 1, idx.data());
-      attend_kv_head(q + kvh * group * qh + (f[0] + t) * qt, qh, group,
-                     reinterpret_cast<const float*>(f[3]) + kvh * f[5], reinterpret_cast<const float*>(f[4]) + kvh * f[7],
-                     f[6], f[8], idx.data(), n, D, scale, p.data(), widest + 8, out + ((f[0] + t) * H + kvh * group) * D,
-                     D);
+      for (int64_t t = job[2]; t < job[3]; ++t) {
+        const uint8_t* row = f[9] ? reinterpret_cast<const uint8_t*>(f[9]) + (mh * T + t) * S : nullptr;
+        const int64_t n = visible_keys(row, S, f[2] + t + 1, idx.data());
+        attend_kv_head(q + kvh * group * qh + (f[0] + t) * qt, qh, group,
+                       reinterpret_cast<const float*>(f[3]) + kvh * f[5],
+                       reinterpret_cast<const float*>(f[4]) + kvh * f[7], f[6], f[8], idx.data(), n, D, scale,
+                       p.data(), widest + 8, out + ((f[0] + t) * H + kvh * group) * D, D);
+      }
     }
   }
 }
