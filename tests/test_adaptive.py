@@ -21,6 +21,31 @@ def test_cost_model_interpolates():
     assert c(1) == 1.0 and c(2) == pytest.approx(1.5) and c(10) == pytest.approx(3.25) and c(32) == 8.0
 
 
+def test_cost_model_memo_gives_the_interpolation():
+    """cost(k) is memoised per row count: repeated and interleaved asks give the interpolated value itself."""
+    c = CostModel({1: 1.0, 4: 2.5, 16: 4.0, 33: 9.0})
+    fresh = [CostModel({1: 1.0, 4: 2.5, 16: 4.0, 33: 9.0})._interpolate(k) for k in range(0, 70)]
+    for k in [*range(70), *reversed(range(70))]:
+        assert c(k) == fresh[k]
+
+
+def test_path_probs_are_the_product_along_each_path():
+    """The tree rule's Π p̂ per node (one gather, host floats) against the product read node by node."""
+    from byblock.drafters.ddtree import build_tree
+
+    g = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(torch.randn(6, 50, generator=g), -1)
+    ids, parents = build_tree(logp, 20)
+    probs, depth = AdaptiveDrafter._path_probs(logp, ids, parents)
+    for i in range(len(ids)):
+        want, node = 1.0, i
+        while node >= 0:
+            want *= float(logp[depth[node], ids[node]].exp())
+            node = parents[node]
+        assert probs[i] == pytest.approx(want, rel=1e-5)
+    assert AdaptiveDrafter._path_probs(logp, [], []) == ([], [])
+
+
 def test_measured_costs_are_positive(tiny_targets):
     costs = measure_verify_cost(tiny_targets["llama"], sizes=(1, 4), context=16, repeats=1)
     assert set(costs) == {1, 4} and all(v > 0 for v in costs.values())

@@ -351,17 +351,21 @@ class AdaptiveDrafter:
         logp = tree_logp(self.dflash.marginals(logits), self._params).cpu()
         ids, parents = build_tree(logp, self.max_budget)
         path_p, _ = self._path_probs(logp, ids, parents)  # [N] in pop order
-        expected = 1 + (self.rho_num / self.rho_den) * path_p.cumsum(0)  # E(N) for N = 1..max
-        rate = [self._rate(float(expected[n - 1]), n + 1, draft_s) for n in range(1, len(ids) + 1)]
+        rho = self.rho_num / self.rho_den
+        rate, predicted = [], 0.0  # E(N) = 1 + ρ Σ_{first N} Π p̂ for N = 1..max
+        for p in path_p:
+            predicted += p
+            rate.append(self._rate(1 + rho * predicted, len(rate) + 2, draft_s))
         n_best = 1 + max(range(len(rate)), key=rate.__getitem__) if rate else 0
         self._model_pays = bool(rate) and rate[n_best - 1] >= self._rate(1.0, 1, 0.0)
         self.last_choice = n_best
-        self._predicted = float(path_p[:n_best].sum())
+        self._predicted = sum(path_p[:n_best])
         return Draft.tree(self.dflash.ids_to_target(ids[:n_best]), parents[:n_best])
 
     def _hybrid(self, look: Draft, logits: torch.Tensor, draft_s: float) -> Draft:
         """Lookup chain (always; in a batch cut to its profitable length, as a verify row is not free there)
-        + the profitable number of DDTree nodes, merged as a trie."""
+        + the profitable number of DDTree nodes, merged as a trie. The rule runs in host floats: per candidate
+        size a handful of tensor ops had cost ~0.4 ms per request and round (dev/LOG.md, session 35)."""
         regime = int(look.num_nodes > 0)
         if self._load[0] > 0:
             look = self._rest_hybrid(look)
@@ -372,21 +376,27 @@ class AdaptiveDrafter:
         toks = self.dflash.ids_to_target(ids)
         look_toks = look.tokens.tolist()
         length = len(look_toks)
-        on_look: list[bool] = []  # model node i lies on the lookup path (merging it costs no node)
-        for tok, par, d in zip(toks, parents, depth, strict=True):
-            on_look.append((par < 0 or on_look[par]) and d < length and tok == look_toks[d])
-        new = ~torch.tensor(on_look, dtype=torch.bool, device="cpu")
-        beta = (self.look_accepted / self.look_reached)[:length].cumprod(0)
+        look_gain, run = 0.0, 1.0  # Σ_{j ≤ L} Π_{i ≤ j} β_i
+        for beta in (self.look_accepted[:length] / self.look_reached[:length]).tolist():
+            run *= beta
+            look_gain += run
         rho = self.rho_num / self.rho_den
-        gain = float(beta.sum()) + rho * torch.cat([torch.zeros(1, device="cpu"), (path_p * new).cumsum(0)])  # [N+1]
-        size = length + torch.cat([torch.zeros(1, dtype=torch.long, device="cpu"), new.long().cumsum(0)])  # [N+1]
-        rate = [self._rate(float(1 + gain[n]), int(size[n]) + 1, draft_s) for n in range(len(ids) + 1)]
+        # Candidate n: the first n model nodes merged onto the chain. A node on the lookup path (its parent on it
+        # too, its token the chain's at its depth) costs no row and adds no predicted gain of its own.
+        on_look: list[bool] = []
+        gains, sizes = [0.0], [length]
+        for tok, par, d, p in zip(toks, parents, depth, path_p, strict=True):
+            on = (par < 0 or on_look[par]) and d < length and tok == look_toks[d]
+            on_look.append(on)
+            gains.append(gains[-1] + (0.0 if on else p))
+            sizes.append(sizes[-1] + (not on))
+        rate = [self._rate(1 + look_gain + rho * g, n + 1, draft_s) for g, n in zip(gains, sizes, strict=True)]
         n_best = max(range(len(rate)), key=rate.__getitem__)
         # Batched rest rule: whether running the drafter pays at all. `rate` charges draft_s to every option (it
         # is spent by now), so compare with the lookup chain alone at its best length without it.
         self._model_paid[regime] = n_best > 0 and rate[n_best] >= max(self._lookup_rates(length))
-        self.last_choice = int(size[n_best])
-        self._predicted = float((path_p * new)[:n_best].sum())
+        self.last_choice = sizes[n_best]
+        self._predicted = gains[n_best]
         self._look_len = length
         model = Draft.tree(toks[:n_best], parents[:n_best])
         return merge_trees(look, model, budget=length + n_best)
@@ -400,15 +410,18 @@ class AdaptiveDrafter:
         self.rho_den = 1 + FORGET * (self.rho_den - 1)
 
     @staticmethod
-    def _path_probs(logp: torch.Tensor, ids: list[int], parents: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def _path_probs(logp: torch.Tensor, ids: list[int], parents: list[int]) -> tuple[list[float], list[int]]:
         """Π p̂ along each node's path [N], and each node's depth (0 = a child of the root)."""
         depth: list[int] = []
+        for par in parents:
+            depth.append(0 if par < 0 else depth[par] + 1)
+        if not ids:
+            return [], depth
+        own = logp[depth, ids].tolist()  # one gather: each node's own log p̂
         score: list[float] = []
-        for tok, par in zip(ids, parents, strict=True):
-            d = 0 if par < 0 else depth[par] + 1
-            depth.append(d)
-            score.append((0.0 if par < 0 else score[par]) + float(logp[d, tok]))
-        return torch.tensor(score, device="cpu").exp(), depth
+        for par, lp in zip(parents, own, strict=True):
+            score.append((0.0 if par < 0 else score[par]) + lp)
+        return torch.tensor(score, device="cpu").exp().tolist(), depth
 
     def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
         """Update acceptance statistics, then the backbone's context."""

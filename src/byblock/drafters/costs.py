@@ -89,8 +89,17 @@ class CostModel:
     def __init__(self, points: dict[int, float]) -> None:
         self.ks = sorted(points)
         self.ts = [points[k] for k in self.ks]
+        # cost(k) per row count asked so far: adaptive drafters ask ~30 times per request and round (a rate per
+        # candidate tree size), and the interpolation's search cost more than the rest of the rule
+        self._memo: dict[int, float] = {}
 
     def __call__(self, k: int) -> float:
+        cost = self._memo.get(k)
+        if cost is None:
+            cost = self._memo[k] = self._interpolate(k)
+        return cost
+
+    def _interpolate(self, k: int) -> float:
         ks, ts = self.ks, self.ts
         if k <= ks[0]:
             return ts[0]
