@@ -231,6 +231,27 @@ def test_batched_hybrid_charges_its_drafter_when_deciding_to_run_it(tiny_targets
     assert not d.hybrid_model_pays(1)
 
 
+def test_batched_decisions_charge_a_backbone_rounds_extra_finishing(tiny_targets):
+    """The batched engine reports what finishing each round cost (observe_host); a batched decision adds what a
+    backbone round costs beyond another round to the drafter's time, and nothing until both kinds were seen or
+    when the request runs alone."""
+    d, _, tokens = _hybrid_on_repeat(tiny_targets["llama"])
+    d.set_batch_load(rows=3, tokens=3.0, seconds=0.0)
+    base = d._decide(tokens, 7).draft_s
+    d._backbone_ran = True
+    d.observe_host(0.5)
+    assert d._decide(tokens, 7).draft_s == pytest.approx(base)  # no lookup-only round measured yet
+    d._backbone_ran = False
+    d.observe_host(0.2)
+    d.observe_host(0.2)
+    assert d._decide(tokens, 7).draft_s == pytest.approx(base + 0.3)
+    d._backbone_ran = True
+    d.observe_host(1.5)  # a running mean: 0.9 * 0.5 + 0.1 * 1.5
+    assert d._decide(tokens, 7).draft_s == pytest.approx(base + 0.4)
+    d.set_batch_load(rows=0, tokens=0.0, seconds=0.0)  # alone: the hybrid's clock already times whole rounds
+    assert d._decide(tokens, 7).draft_s == pytest.approx(base)
+
+
 def test_resting_hybrid_cuts_the_lookup_chain_to_its_profitable_length(tiny_targets):
     """Lookup acceptance β ≈ 0 and a verify row costing a plain step: a resting round is a plain step."""
     d, calls, tokens = _hybrid_on_repeat(tiny_targets["llama"])

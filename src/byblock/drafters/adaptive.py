@@ -72,6 +72,8 @@ MAX_PROBE_GAP = 63  # at most this many resting rounds between two probes
 # Backbone block positions when batched: at 4 requests a 16-position block cost 1.7 ms per request, the trees it
 # fed stayed within depth 7, and an 8-position block gave as many accepted tokens (dev/LOG.md, session 34).
 BATCHED_ROWS = 8
+# Batched: per round of a kind, the weight of older measurements of finishing a round (observe_host)
+HOST_FORGET = 0.9
 
 
 class RoundRate:
@@ -190,6 +192,10 @@ class AdaptiveDrafter:
         self._decision: _Decision | None = None  # made by block_request, used by the next propose
         self._load: tuple[int, float, float] = (0, 0.0, 0.0)  # other requests' (rows, tokens, seconds)
         self._model_paid = [True, True]  # hybrid, batched: per regime, whether the last drafted tree used the model
+        # Batched: running mean seconds the engine spent finishing this request's rounds (verify, the LM head's
+        # second pass, commit, observe), [rounds without the backbone, rounds with it] (observe_host)
+        self._finish_s = [0.0, 0.0]
+        self._backbone_ran = False  # the last built round ran the backbone
 
     def fork(self) -> AdaptiveDrafter:
         """The same backbone weights, cost model and clock, fresh acceptance statistics (Beta(1,1) priors)."""
@@ -222,6 +228,20 @@ class AdaptiveDrafter:
         other_rows, other_tokens, other_s = self._load
         return (other_tokens + tokens) / (other_s + draft_s + self.cost(other_rows + rows))
 
+    def observe_host(self, seconds: float) -> None:
+        """The batched engine's seconds finishing this request's last round. A round that ran the backbone (a
+        deeper draft: a longer walk, often the LM head's second pass, a tree commit) costs ~1 ms more at 4
+        requests than a lookup-only one (dev/LOG.md, session 35): batched decisions charge that difference to
+        the drafter with its own forward's time (`_decide`)."""
+        i = int(self._backbone_ran)
+        old = self._finish_s[i]
+        self._finish_s[i] = seconds if old == 0.0 else HOST_FORGET * old + (1 - HOST_FORGET) * seconds
+
+    def _extra_finish_s(self) -> float:
+        """Seconds more a backbone round's finish costs than another round's, once both were measured."""
+        without, with_backbone = self._finish_s
+        return max(0.0, with_backbone - without) if without and with_backbone else 0.0
+
     def block_request(self, tokens: list[int], max_depth: int) -> tuple[DFlashDrafter, int, int | None] | None:
         """Decide this round now (the decision is kept for propose) and return the backbone forward it needs,
         or None when it rests (see DFlashDrafter.block_request)."""
@@ -241,6 +261,8 @@ class AdaptiveDrafter:
         t0 = self._timer()
         depth = min(self.block_size, max_depth)
         draft_s = self.draft_s / self.drafted if self.drafted else 0.0
+        if self._load[0] > 0:  # batched: the engine's extra work finishing a backbone round is the drafter's too
+            draft_s += self._extra_finish_s()
         n = len(tokens)
         # Batched, the backbone drafts a short block (BATCHED_ROWS): its cost is per block row, and a batch's
         # drafts stay shallow (a verify row is not free there). The lookup chain keeps the full depth.
@@ -269,6 +291,7 @@ class AdaptiveDrafter:
 
     def _build(self, decision: _Decision, tokens: list[int]) -> Draft:
         """The draft a decision asks for (the backbone forward may have run already, batched: draft_blocks)."""
+        self._backbone_ran = bool(decision.depth)
         if not decision.depth:
             return self._rest_hybrid(decision.look) if decision.look is not None else Draft.empty()
         t0 = self._timer()

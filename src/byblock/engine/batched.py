@@ -168,11 +168,14 @@ class BatchedEngineCore:
         for (seq, rnd), start in zip(rounds, starts, strict=True):
             first_logits = out.logits[at : at + rnd.rows]
             at += rnd.rows
+            t1 = self.clock()
             try:
                 events = seq.finish(rnd, out, start, first_logits, forward_s, union)
             except Exception as e:
                 outputs.append(self._fail(seq, e))
                 continue
+            if rnd.draft is not None and (observe_host := getattr(seq.drafter, "observe_host", None)) is not None:
+                observe_host(self.clock() - t1)  # adaptive drafters charge a deep round's extra finishing work
             outputs.extend(self._emit(seq, events))
         return outputs
 
