@@ -339,15 +339,18 @@ class AdaptiveDrafter:
             return False  # then resting
         return drafted.rate() >= rested.rate()
 
-    def _lookup_rates(self, length: int) -> list[float]:
-        """The forward's tokens per second with the lookup chain cut to l = 0..length nodes and no drafter:
-        E(l) = 1 + Σ_{j ≤ l} Π_{i ≤ j} β_i, in host floats (once per request and round: tensor ops cost more)."""
-        rates, expected, run = [self._rate(1.0, 1, 0.0)], 1.0, 1.0
-        for n, beta in enumerate((self.look_accepted[:length] / self.look_reached[:length]).tolist(), 1):
+    def _lookup_expected(self, length: int) -> list[float]:
+        """E(l) = 1 + Σ_{j ≤ l} Π_{i ≤ j} β_i for the lookup chain cut to l = 0..length nodes, in host floats
+        (once per request and round: tensor ops cost more)."""
+        expected, run = [1.0], 1.0
+        for beta in (self.look_accepted[:length] / self.look_reached[:length]).tolist():
             run *= beta
-            expected += run
-            rates.append(self._rate(expected, n + 1, 0.0))
-        return rates
+            expected.append(expected[-1] + run)
+        return expected
+
+    def _lookup_rates(self, length: int) -> list[float]:
+        """The forward's tokens per second with the lookup chain cut to l = 0..length nodes and no drafter."""
+        return [self._rate(e, n + 1, 0.0) for n, e in enumerate(self._lookup_expected(length))]
 
     def _rest_hybrid(self, look: Draft) -> Draft:
         """A round without the drafter: the lookup chain alone, cut to its most profitable length."""
@@ -399,10 +402,7 @@ class AdaptiveDrafter:
         toks = self.dflash.ids_to_target(ids)
         look_toks = look.tokens.tolist()
         length = len(look_toks)
-        look_gain, run = 0.0, 1.0  # Σ_{j ≤ L} Π_{i ≤ j} β_i
-        for beta in (self.look_accepted[:length] / self.look_reached[:length]).tolist():
-            run *= beta
-            look_gain += run
+        look_gain = self._lookup_expected(length)[-1] - 1  # Σ_{j ≤ L} Π_{i ≤ j} β_i
         rho = self.rho_num / self.rho_den
         # Candidate n: the first n model nodes merged onto the chain. A node on the lookup path (its parent on it
         # too, its token the chain's at its depth) costs no row and adds no predicted gain of its own.

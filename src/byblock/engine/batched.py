@@ -174,8 +174,8 @@ class BatchedEngineCore:
             except Exception as e:
                 outputs.append(self._fail(seq, e))
                 continue
-            if rnd.draft is not None and (observe_host := getattr(seq.drafter, "observe_host", None)) is not None:
-                observe_host(self.clock() - t1)  # adaptive drafters charge a deep round's extra finishing work
+            if rnd.draft is not None and seq.observe_host is not None:
+                seq.observe_host(self.clock() - t1)  # adaptive drafters charge a deep round's extra finishing work
             outputs.extend(self._emit(seq, events))
         return outputs
 

@@ -87,6 +87,7 @@ class Sequence:
         # Optional drafter capabilities, looked up once: the batched drafter forward and batch-aware sizing.
         self._ask_block = getattr(drafter, "block_request", None)
         self.set_batch_load = getattr(drafter, "set_batch_load", None)
+        self.observe_host = getattr(drafter, "observe_host", None)  # adaptive drafters: seconds finishing a round
         self.max_rows = round_rows(drafter)  # the most rows one round adds to a forward (the KV slack)
         self.phase = Phase.WAITING
         self.tokens: list[int] = []  # committed: prompt + generated (the last one is the root, not yet cached)
