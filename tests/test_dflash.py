@@ -230,8 +230,8 @@ def test_drafter_beside_a_quantized_target_runs_int8_groups_and_is_lossless(tmp_
 
 
 def test_fused_rms_norm_is_the_composition_bitwise():
-    """The drafter's fp32 RMSNorm runs torch's fused op; it must give the reference composition's bits (the norms
-    sit on every path a drafted token takes, so a difference would move proposals and break batched == solo)."""
+    """The drafter module's fp32 RMSNorm (the reference and training forward's, not drafting's: dflash_packed.py)
+    runs torch's fused op without grad; it must give the composition's bits, which training uses."""
     from byblock.drafters.dflash_model import RMSNorm
 
     g = torch.Generator().manual_seed(0)

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from byblock.drafters.dflash_model import DFlashDraftModel, PackedBlock, forward_packed
+from byblock.drafters.dflash_model import DFlashDraftModel
+from byblock.drafters.dflash_packed import DraftRunner, PackedBlock
 from byblock.errors import ByblockError
 from byblock.kernels import invariant_head
 from byblock.models.adapter import TargetModel
@@ -62,6 +63,7 @@ class DFlashDrafter:
             model = model.to(dtype)
             dual_layout_linears(model)
         self.model = model.eval()
+        self.runner = DraftRunner(self.model)  # the inference forward, shared by forks (dflash_packed.py)
         self.block = block or model.config.block_size  # B: tokens per drafter forward, anchor included
         if self.block < 2:
             raise ByblockError("a DFlash block needs at least 2 tokens (anchor + one draft)")
@@ -145,14 +147,8 @@ class DFlashDrafter:
         self._prefetched = None
         block = self.block_input(anchor, anchor_pos, rows)
         with torch.inference_mode():
-            h = self.model(
-                block.block_embeds[None],
-                block.target_hidden[None],
-                block.block_positions[None],
-                block.ctx_positions[None],
-                cache=self._cache,
-            )  # [1, B, H]
-            states = h[0, 1 : 1 + depth]  # [depth, H]
+            h = self.runner([block])  # [B, H]: the same forward as a batched block's
+            states = h[1 : 1 + depth]  # [depth, H]
             logits = self.head_logits(states)
         self._consumed(anchor_pos)
         return (logits, states) if return_hidden else logits
@@ -249,7 +245,7 @@ def draft_blocks(requests: list[tuple[DFlashDrafter, int, int, int, int | None]]
     """Draft several requests' blocks at once: (drafter fork, anchor, anchor position, depth, block rows or None
     for the drafter's block) each.
 
-    Forks of one DFlash network share one forward (dflash_model.forward_packed) and one pass of the head over
+    Forks of one DFlash network share one forward (dflash_packed.py) and one pass of the head over
     every request's rows; each fork's next draft_logits call for that anchor then returns its share. With the
     packed fp32 kernels (row-invariant) the logits are bitwise those of each fork's own forward."""
     groups: dict[int, list[tuple[DFlashDrafter, int, int, int, int | None]]] = {}
@@ -260,7 +256,7 @@ def draft_blocks(requests: list[tuple[DFlashDrafter, int, int, int, int | None]]
         t0 = clock()
         blocks = [d.block_input(anchor, pos, n) for d, anchor, pos, _, n in group]
         with torch.inference_mode():
-            states = forward_packed(group[0][0].model, blocks)  # [ΣB, H]
+            states = group[0][0].runner(blocks)  # [ΣB, H]
         rows, at = [], 0
         for (_, _, _, depth, _), b in zip(group, blocks, strict=True):
             rows.append(states[at + 1 : at + 1 + depth])

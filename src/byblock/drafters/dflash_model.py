@@ -220,67 +220,6 @@ class DFlashDraftModel(nn.Module):
         return self.norm(h)
 
 
-@dataclass
-class PackedBlock:
-    """One request's block in a packed drafter forward (DFlashDraftModel.forward_packed)."""
-
-    block_embeds: torch.Tensor  # [B, H]
-    target_hidden: torch.Tensor  # [C, k*H] new context features
-    block_positions: torch.Tensor  # [B]
-    ctx_positions: torch.Tensor  # [C]
-    cache: list[list[torch.Tensor]]  # this request's per-layer [K, V], extended in place
-
-
-def forward_packed(model: DFlashDraftModel, blocks: list[PackedBlock]) -> torch.Tensor:
-    """Several requests' blocks in one drafter forward: [ΣB, H] final-normed states, request i's rows in order.
-
-    The linears run once over every request's rows; attention runs per request over its own cache, context and
-    block, exactly as its own `forward` (mask None) would: with row-invariant linears (the packed fp32 GEMM)
-    each request's states are bitwise those of a forward of its own."""
-    cfg = model.config
-    dtype, d, theta = model.dtype, cfg.head_dim, cfg.rope_theta
-    ctx = model.fuse(torch.cat([b.target_hidden for b in blocks])[None])  # [1, ΣC, H]
-    block_rope = rope_cos_sin(torch.cat([b.block_positions for b in blocks])[None], d, theta, dtype)
-    ctx_rope = rope_cos_sin(torch.cat([b.ctx_positions for b in blocks])[None], d, theta, dtype)
-    h = torch.cat([b.block_embeds for b in blocks])[None].to(dtype)  # [1, ΣB, H]
-    block_cuts = _cuts([b.block_embeds.shape[0] for b in blocks])
-    ctx_cuts = _cuts([b.target_hidden.shape[0] for b in blocks])
-    for i, layer in enumerate(model.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        t = x.shape[1]
-        q = attn.q_norm(attn.q_proj(x).view(1, t, attn.num_heads, attn.head_dim)).transpose(1, 2)
-        q = apply_rope(q, *block_rope)  # [1, h, ΣB, d]
-        kc, vc = attn._kv(ctx, *ctx_rope)  # [1, kv, ΣC, d]
-        kb, vb = attn._kv(x, *block_rope)  # [1, kv, ΣB, d]
-        outs = []
-        for b, (s0, s1), (c0, c1) in zip(blocks, block_cuts, ctx_cuts, strict=True):
-            cache = b.cache[i]
-            k_ctx, v_ctx = kc[:, :, c0:c1], vc[:, :, c0:c1]
-            if cache:
-                k_ctx, v_ctx = torch.cat([cache[0], k_ctx], dim=2), torch.cat([cache[1], v_ctx], dim=2)
-            mask = None
-            if attn.window is not None:
-                k_ctx, v_ctx, mask = windowed(k_ctx, v_ctx, s1 - s0, attn.window)
-            cache[:] = [k_ctx, v_ctx]
-            k = torch.cat([k_ctx, kb[:, :, s0:s1]], dim=2)
-            v = torch.cat([v_ctx, vb[:, :, s0:s1]], dim=2)
-            gqa = attn.num_heads != attn.num_kv_heads
-            out = F.scaled_dot_product_attention(q[:, :, s0:s1], k, v, attn_mask=mask, enable_gqa=gqa)
-            outs.append(out.transpose(1, 2).reshape(1, s1 - s0, -1))
-        h = h + attn.o_proj(torch.cat(outs, dim=1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return model.norm(h)[0]
-
-
-def _cuts(sizes: list[int]) -> list[tuple[int, int]]:
-    out, at = [], 0
-    for n in sizes:
-        out.append((at, at + n))
-        at += n
-    return out
-
-
 def init_from_target(draft: DFlashDraftModel, target_hf: nn.Module) -> list[int]:
     """Copy the target's last decoder layers into the draft layers where the shapes agree.
 

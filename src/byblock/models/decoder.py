@@ -10,8 +10,7 @@ reference and a fallback: TargetModel uses this forward only where it applies (f
 sequence or a packed batch, no KV policy that hooks attention).
 
 Fusion: the q / k / v projections run as one linear, and gate / up as one, when the linears are byblock's
-row-invariant kernels (each output is computed on its own, so a fused call gives every output bitwise what the
-separate calls give); the fused weights are views shared with the original modules, not copies.
+row-invariant kernels (kernels/fuse.py: bitwise what the separate calls give, the weights shared, not copied).
 """
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from byblock.kernels.fuse import bound, fuse_linears
 from byblock.kernels.gqa_sdpa import NAME as GQA_SDPA
-from byblock.kernels.packed_gemm import PackedLinear
-from byblock.kernels.quant_gemm import PANEL, QuantLinear, QuantWeight
 
 ARCHITECTURES = frozenset({"llama", "qwen3"})
 
@@ -45,58 +43,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
 
-def _fuse(linears: list[nn.Module]) -> nn.Module | None:
-    """One linear computing `linears`' outputs side by side, sharing their storage; None where they are not all
-    byblock kernels of one kind with panel-aligned sizes (then the caller keeps calling them one by one)."""
-    if any(getattr(m, "bias", None) is not None for m in linears):
-        return None
-    if all(isinstance(m, QuantLinear) for m in linears):
-        first = linears[0]
-        if len({m.bits for m in linears}) != 1 or any(m.out_features % PANEL for m in linears[:-1]):
-            return None
-        parts = [m.qweight for m in linears]
-        minv = None if first.bits == 8 else torch.cat([p.minv for p in parts])
-        fused = QuantWeight(
-            first.bits,
-            torch.cat([p.q for p in parts]),
-            torch.cat([p.scale for p in parts]),
-            minv,
-            sum(m.out_features for m in linears),
-        )
-        start = 0
-        for m in linears:  # the separate modules become views of the fused storage: no second copy
-            panels = slice(start, start + m.q.shape[0])
-            m.q, m.scale = fused.q[panels], fused.scale[panels]
-            if minv is not None:
-                m.minv = fused.minv[panels]
-            start += m.q.shape[0]
-        return QuantLinear(fused, None, first.kernel)
-    if all(isinstance(m, PackedLinear) for m in linears):
-        first = linears[0]
-        if any(m.in_features != first.in_features or m.out_features % PANEL for m in linears[:-1]):
-            return None
-        fused = PackedLinear.__new__(PackedLinear)
-        nn.Module.__init__(fused)
-        fused.out_features = sum(m.out_features for m in linears)
-        fused.in_features, fused.kernel, fused.bias = first.in_features, first.kernel, None
-        fused.packed = nn.Parameter(torch.cat([m.packed.data for m in linears]), requires_grad=False)
-        start = 0
-        for m in linears:
-            n = m.packed.numel()
-            m.packed = nn.Parameter(fused.packed.data[start : start + n], requires_grad=False)
-            start += n
-        return fused
-    return None
-
-
-def _fast(m: nn.Module | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """`m` as the decoder calls it: a quantized linear on its kernel as a bound function (QuantGemm.bind, ~10 µs
-    less Python per call, the same kernel call), anything else (None included) as it is."""
-    if isinstance(m, QuantLinear) and m.kernel is not None:
-        return m.kernel.bind(m)
-    return m
-
-
 @dataclass(frozen=True)
 class _Layer:
     attn: nn.Module  # transformers' attention module: layer_idx, scaling, config for the attention kernel
@@ -105,12 +51,12 @@ class _Layer:
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None  # qwen3's per-head norms
     k_norm: torch.Tensor | None
-    qkv: Callable[[torch.Tensor], torch.Tensor] | None  # fused q / k / v (_fast), or None: the three projections
+    qkv: Callable[[torch.Tensor], torch.Tensor] | None  # fused q / k / v (bound), or None: the three projections
     gate_up: Callable[[torch.Tensor], torch.Tensor] | None
     q_size: int
     kv_size: int
     inter: int
-    o_proj: Callable[[torch.Tensor], torch.Tensor]  # the layer's linears as the loop calls them (_fast)
+    o_proj: Callable[[torch.Tensor], torch.Tensor]  # the layer's linears as the loop calls them (bound)
     down_proj: Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -137,13 +83,13 @@ class DecoderForward:
                     post_norm=layer.post_attention_layernorm.weight,
                     q_norm=None if qn is None else qn.weight,
                     k_norm=None if kn is None else kn.weight,
-                    qkv=_fast(_fuse([a.q_proj, a.k_proj, a.v_proj])),
-                    gate_up=_fast(_fuse([mlp.gate_proj, mlp.up_proj])),
+                    qkv=bound(fuse_linears([a.q_proj, a.k_proj, a.v_proj])),
+                    gate_up=bound(fuse_linears([mlp.gate_proj, mlp.up_proj])),
                     q_size=a.q_proj.out_features,
                     kv_size=a.k_proj.out_features,
                     inter=mlp.gate_proj.out_features,
-                    o_proj=_fast(a.o_proj),
-                    down_proj=_fast(mlp.down_proj),
+                    o_proj=bound(a.o_proj),
+                    down_proj=bound(mlp.down_proj),
                 )
             )
         self.head_dim = self.layers[0].attn.head_dim
