@@ -237,8 +237,9 @@ def test_batched_drafter_forward_is_bitwise_each_forks_own(setup):
     draft_blocks([(d, 5, len(ids), 3, n) for d, ids, n in zip(batched, prompts, rows, strict=True)])
     for d, s, ids, w, n in zip(batched, solo, prompts, want, rows, strict=True):
         assert torch.equal(d.draft_logits(5, len(ids), 3, rows=n), w)
-        for mine, theirs in zip(d._cache, s._cache, strict=True):  # the same context K/V per layer
-            assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+        assert d._cache.length == s._cache.length == len(ids)
+        for i in range(len(d.model.layers)):  # the same context K/V per layer
+            assert all(torch.equal(a, b) for a, b in zip(d._cache.layer(i), s._cache.layer(i), strict=True))
 
 
 def test_quantized_kv_cache_batched_matches_solo():

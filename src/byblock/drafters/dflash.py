@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from byblock.drafters.dflash_model import DFlashDraftModel
-from byblock.drafters.dflash_packed import DraftRunner, PackedBlock
+from byblock.drafters.dflash_packed import DraftCache, DraftRunner, PackedBlock
 from byblock.errors import ByblockError
 from byblock.kernels import invariant_head
 from byblock.models.adapter import TargetModel
@@ -89,7 +89,7 @@ class DFlashDrafter:
             self.head_t = head_t.to(head_dtype).contiguous() if draft_vocab is not None or dtype else head_t
         self.softcap = getattr(target.text_config, "final_logit_softcapping", None)
         self.dtype = next(model.parameters()).dtype
-        self._cache: list[list[torch.Tensor]] = []
+        self._cache: DraftCache | None = None  # the request's context K/V (set by start)
         self._pending: torch.Tensor | None = None  # [C, k*H] target features not yet in the drafter cache
         self._pending_start = 0  # position of the first pending feature
         self._params = SamplingParams()
@@ -112,7 +112,7 @@ class DFlashDrafter:
         if target_hidden is None:
             raise ByblockError("the DFlash drafter needs the target's hidden states")
         self.adjust = adjust
-        self._cache = [[] for _ in self.model.layers]
+        self._cache = self.runner.new_cache()
         self._pending = target_hidden[0]
         self._pending_start = 0
         self._prefetched = None
@@ -121,7 +121,7 @@ class DFlashDrafter:
     def fork(self) -> DFlashDrafter:
         """Shares the network, embedding and head; fresh context cache (set by start)."""
         clone = copy.copy(self)
-        clone._cache, clone._pending, clone._pending_start = [], None, 0
+        clone._cache, clone._pending, clone._pending_start = None, None, 0
         clone._params, clone._generator, clone._prefetched, clone._borrowed_s = SamplingParams(), None, None, 0.0
         clone.adjust = None
         return clone

@@ -34,6 +34,39 @@ from byblock.kernels.row_ops import norm_rope
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
+class DraftCache:
+    """A request's drafter context K/V: per layer K and V in one buffer each, [layers, kv, capacity, d], slots
+    [start, length) visible (start > 0 only for sliding-window drafters: older slots are never seen again).
+    A forward writes its new context slots at `length` and its block's K/V right behind them (scratch, not
+    committed), so each layer's attention reads one view of the buffer: no per-round concatenation."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape = (layers, kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.start = self.length = 0
+
+    def reserve(self, extra: int) -> None:
+        """Room for `extra` slots after `length` (the visible slots move to the front when the buffer grows)."""
+        if self.k is not None and self.length + extra <= self.k.shape[2]:
+            return
+        layers, kv, d = self.shape
+        live = self.length - self.start
+        cap = max(64, 2 * (live + extra))
+        k = torch.empty(layers, kv, cap, d, dtype=self.dtype, device=self.device)
+        v = torch.empty_like(k)
+        if self.k is not None and live:
+            k[:, :, :live] = self.k[:, :, self.start : self.length]
+            v[:, :, :live] = self.v[:, :, self.start : self.length]
+        self.k, self.v, self.start, self.length = k, v, 0, live
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's visible context K and V, [kv, n, d] views."""
+        assert self.k is not None and self.v is not None
+        return self.k[i, :, self.start : self.length], self.v[i, :, self.start : self.length]
+
+
 @dataclass
 class PackedBlock:
     """One request's block in a drafter forward (DraftRunner)."""
@@ -42,7 +75,7 @@ class PackedBlock:
     target_hidden: torch.Tensor  # [C, k*H] new context features
     block_positions: torch.Tensor  # [B]
     ctx_positions: torch.Tensor  # [C]
-    cache: list[list[torch.Tensor]]  # this request's per-layer [K, V] ([1, kv, n, d] each), extended in place
+    cache: DraftCache  # this request's context K/V, extended by the forward
 
 
 @dataclass(frozen=True)
@@ -104,9 +137,14 @@ class DraftRunner:
         half = y.shape[-1] // 2
         return y * cos[:, None] + torch.cat([-y[..., half:], y[..., :half]], dim=-1) * sin[:, None]
 
+    def new_cache(self) -> DraftCache:
+        """An empty context cache for one request."""
+        cfg, dtype = self.model.config, self.model.dtype
+        return DraftCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, self.model.hidden_norm.weight.device)
+
     def __call__(self, blocks: list[PackedBlock]) -> torch.Tensor:
-        """Final-normed draft states [ΣB, H], request i's rows in order. Each request's context K/V is appended
-        to its cache (trimmed to the window for sliding-window drafters)."""
+        """Final-normed draft states [ΣB, H], request i's rows in order. Each request's new context K/V is
+        appended to its cache."""
         model, d = self.model, self.head_dim
         dtype = model.dtype
         feats = torch.cat([b.target_hidden for b in blocks]).to(dtype)  # [ΣC, k*H]
@@ -119,6 +157,8 @@ class DraftRunner:
         block_cuts = _cuts([b.block_embeds.shape[0] for b in blocks])
         ctx_cuts = _cuts([b.target_hidden.shape[0] for b in blocks])
         gqa = self.heads != self.kv_heads
+        for b in blocks:
+            b.cache.reserve(b.target_hidden.shape[0] + b.block_embeds.shape[0])
         for i, L in enumerate(self.layers):
             x = self._norm(L.in_norm, h).flatten(1)  # [ΣB, H]
             rows = torch.cat([ctx, x])  # the context's and the block's K/V come from the same weights
@@ -132,20 +172,21 @@ class DraftRunner:
             q = self._norm(L.attn.q_norm, L.q(x), self.heads, block_rope)  # [ΣB, heads, d]
             outs = []
             for b, (s0, s1), (c0, c1) in zip(blocks, block_cuts, ctx_cuts, strict=True):
-                cache = b.cache[i]
-                k_ctx, v_ctx = k[c0:c1].transpose(0, 1)[None], v[c0:c1].transpose(0, 1)[None]  # [1, kv, C, d]
-                if cache:
-                    k_ctx, v_ctx = torch.cat([cache[0], k_ctx], dim=2), torch.cat([cache[1], v_ctx], dim=2)
-                mask = None
-                if L.attn.window is not None:
-                    k_ctx, v_ctx, mask = windowed(k_ctx, v_ctx, s1 - s0, L.attn.window)
-                cache[:] = [k_ctx, v_ctx]
-                kb = k[n_ctx + s0 : n_ctx + s1].transpose(0, 1)[None]
-                vb = v[n_ctx + s0 : n_ctx + s1].transpose(0, 1)[None]
-                keys, values = torch.cat([k_ctx, kb], dim=2), torch.cat([v_ctx, vb], dim=2)
+                cache = b.cache
+                at, t = cache.length + c1 - c0, s1 - s0  # this round's context ends at slot `at`
+                for buf, new in ((cache.k, k), (cache.v, v)):
+                    buf[i, :, cache.length : at] = new[c0:c1].transpose(0, 1)
+                    buf[i, :, at : at + t] = new[n_ctx + s0 : n_ctx + s1].transpose(0, 1)
+                first, mask = cache.start, None
+                if L.attn.window is not None:  # only the last window - 1 context slots can be seen
+                    kept, _, mask = windowed(
+                        cache.k[i, :, first:at][None], cache.v[i, :, first:at][None], t, L.attn.window
+                    )
+                    first = at - kept.shape[2]
+                keys, values = cache.k[i, :, first : at + t][None], cache.v[i, :, first : at + t][None]
                 qb = q[s0:s1].transpose(0, 1)[None]  # [1, heads, B, d]
                 out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, enable_gqa=gqa)
-                outs.append(out[0].transpose(0, 1).reshape(s1 - s0, -1))
+                outs.append(out[0].transpose(0, 1).reshape(t, -1))
             h = h + L.o(torch.cat(outs))
             x = self._norm(L.post_norm, h).flatten(1)
             if L.gate_up is not None:
@@ -153,6 +194,11 @@ class DraftRunner:
             else:
                 gate, up = L.gate(x), L.up(x)
             h = h + L.down(F.silu(gate) * up)
+        for b in blocks:  # the new context slots are committed; the block's stay scratch
+            b.cache.length += b.target_hidden.shape[0]
+            window = model.config.sliding_window
+            if window is not None:
+                b.cache.start = max(b.cache.start, b.cache.length - (window - 1))
         return self._norm(model.norm, h).flatten(1)
 
 
