@@ -29,7 +29,7 @@ from torch import nn
 
 from byblock.drafters.dflash_model import DFlashDraftModel, RMSNorm, rope_cos_sin, windowed
 from byblock.kernels.fuse import bound, fuse_linears
-from byblock.kernels.row_ops import norm_rope
+from byblock.kernels.row_ops import norm_rope, torch_norm_rope
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -132,10 +132,7 @@ class DraftRunner:
         if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
             return norm_rope(x, heads, norm.weight, norm.eps, cos, sin)
         y = norm(x.reshape(x.shape[0], heads, -1))
-        if cos is None:
-            return y
-        half = y.shape[-1] // 2
-        return y * cos[:, None] + torch.cat([-y[..., half:], y[..., :half]], dim=-1) * sin[:, None]
+        return y if cos is None else torch_norm_rope(y.flatten(1), heads, None, 0.0, cos, sin)
 
     def new_cache(self) -> DraftCache:
         """An empty context cache for one request."""
