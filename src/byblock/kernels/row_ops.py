@@ -69,6 +69,12 @@ def load_row_ops() -> RowOps | None:
     return None if library is None else RowOps(library)
 
 
+def _rotate(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The half rotation of heads y [M, heads, K] by cos / sin [M, K]: y cos + (-y[K/2:], y[:K/2]) sin."""
+    half = y.shape[-1] // 2
+    return y * cos[:, None] + torch.cat([-y[..., half:], y[..., :half]], dim=-1) * sin[:, None]
+
+
 def torch_norm_rope(
     x: torch.Tensor,
     heads: int,
@@ -81,10 +87,7 @@ def torch_norm_rope(
     y = x.reshape(x.shape[0], heads, -1)
     if weight is not None:
         y = torch.rms_norm(y, (y.shape[-1],), weight, eps)
-    if cos is not None:
-        half = y.shape[-1] // 2
-        y = y * cos[:, None] + torch.cat([-y[..., half:], y[..., :half]], dim=-1) * sin[:, None]
-    return y
+    return y if cos is None else _rotate(y, cos, sin)
 
 
 def norm_rope(
@@ -117,8 +120,4 @@ def reference_norm_rope(
     y = x.double().reshape(x.shape[0], heads, -1)
     if weight is not None:
         y = weight.double() * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps))
-    if cos is not None:
-        half = y.shape[-1] // 2
-        rot = torch.cat([-y[..., half:], y[..., :half]], dim=-1)
-        y = y * cos.double()[:, None] + rot * sin.double()[:, None]
-    return y.float()
+    return (y if cos is None else _rotate(y, cos.double(), sin.double())).float()
