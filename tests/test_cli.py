@@ -113,6 +113,17 @@ def test_version_and_models():
     assert {"smollm2-135m", "gemma3-270m"} <= names
 
 
+def test_models_prune_cache(tmp_path):
+    """`byblock models --prune-cache` deletes a stale conversion and says what it freed."""
+    stale = tmp_path / "byblock" / "models" / "old-0123456789abcdef"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"x" * 4096)
+    r = byblock("models", "--prune-cache", "--json", env_extra={"XDG_CACHE_HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"deleted": [str(stale)], "freed_bytes": 4096}
+    assert not stale.exists()
+
+
 def test_linears_flag(tiny_llama_dir):
     """--linears library runs on PyTorch's kernels; a bad choice is an argparse error (exit 2, no traceback)."""
     base = ["generate", "def add(a, b):", "--model", str(tiny_llama_dir), "--max-new-tokens", "8", "--json"]

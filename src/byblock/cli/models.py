@@ -11,10 +11,25 @@ from byblock.models.registry import BUILTIN_MODELS, DEFAULT_MODEL
 def add_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `byblock models`."""
     parser.add_argument("--json", action="store_true", help="print a JSON list")
+    parser.add_argument(
+        "--prune-cache",
+        action="store_true",
+        help="delete cached model conversions other than the installed built-ins' current ones "
+        "(any other is converted again on its next load)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """List built-ins."""
+    """List built-ins (or prune the conversion cache)."""
+    if args.prune_cache:
+        from byblock.models.loading import prune_model_cache
+
+        gone, freed = prune_model_cache()
+        if args.json:
+            print(json.dumps({"deleted": [str(p) for p in gone], "freed_bytes": freed}))
+        else:
+            print(f"deleted {len(gone)} cached conversions, {freed / 2**30:.2f} GiB freed")
+        return 0
     rows = [
         {
             "name": m.name,

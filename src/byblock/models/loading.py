@@ -7,6 +7,7 @@ under `$XDG_CACHE_HOME/byblock/models/`, so later loads take seconds.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -64,10 +65,47 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=32)
+def _content_key(path: str, size: int, mtime_ns: int) -> str:
+    """16 hex digits of the file's sha256 (memoised per path, size and mtime: ~0.2 s for 100 MB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
 def _gguf_cache_dir(gguf: Path) -> Path:
+    """Where a GGUF's conversion is cached, keyed by the file's bytes: every virtualenv or clone that ships the
+    same file shares one conversion (a key from the path gave each fresh clone's venv its own 0.5 GB copy)."""
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    key = _content_key(str(gguf.resolve()), st.st_size, st.st_mtime_ns)
     return cache_root() / "models" / f"{gguf.stem}-{key}"
+
+
+def prune_model_cache() -> tuple[list[Path], int]:
+    """Delete cached conversions other than the installed built-ins' current ones, and unfinished temporaries.
+
+    Returns the deleted directories and the bytes freed. A model whose conversion is deleted is converted
+    again on its next load, so this loses no work a user cannot redo.
+    """
+    root = cache_root() / "models"
+    if not root.is_dir():
+        return [], 0
+    keep: set[str] = set()
+    for name, model in BUILTIN_MODELS.items():
+        if model.installed():
+            target = _gguf_cache_dir(resolve_builtin(name))
+            keep |= {target.name, target.name + ".quant"}
+    gone: list[Path] = []
+    freed = 0
+    for entry in sorted(root.iterdir()):
+        if entry.name in keep or not entry.is_dir():
+            continue
+        freed += sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+        shutil.rmtree(entry, ignore_errors=True)
+        gone.append(entry)
+    return gone, freed
 
 
 def publish_dir(tmp: Path, target: Path) -> None:
