@@ -160,6 +160,13 @@ def shipped_dflash_dir(target_name: str) -> Path:
     return path
 
 
+def _own_copies(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give the float parameters their own memory, in `dtype`. Loaded, they are views of the mapped checkpoint;
+    while one lives, every page of it a re-layout read stays resident beside the re-laid-out copy."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype, copy=True)
+
+
 def build_dflash(spec: DrafterSpec, target: TargetModel, dtype: str = "float32") -> DFlashDrafter:
     """A DFlash drafter from a checkpoint dir (or the one shipped for the target), in the target's dtype, on the
     target's kernels (int8 groups beside a quantized target, packed fp32 beside a packed one)."""
@@ -170,17 +177,23 @@ def build_dflash(spec: DrafterSpec, target: TargetModel, dtype: str = "float32")
     from byblock.models.loading import DTYPES
 
     path = Path(spec.model).expanduser() if spec.model else shipped_dflash_dir(target.name)
-    model, vocab = load_dflash(path, dtype=DTYPES.get(dtype, torch.float32))
+    want = DTYPES.get(dtype, torch.float32)
+    model, vocab = load_dflash(path, dtype=None)  # as stored (the shipped one: bf16), mapped from the file
     model = model.to(target.device)  # the drafter runs beside its target, reading the target's embedding and head
     vocab = None if vocab is None else vocab.to(target.device)
     head = target.hf.get_output_embeddings()
-    fp32 = next(model.parameters()).dtype == torch.float32
-    if fp32 and isinstance(head, QuantLinear):
+    if want == torch.float32 and isinstance(head, QuantLinear):
         # A quantized target runs ~2x cheaper per step; an fp32 drafter beside it would eat the gain. int8 groups
-        # (not int4) keep the drafter's proposals, and so its acceptance, closest to the fp32 drafter's.
+        # (not int4) keep the drafter's proposals, and so its acceptance, closest to the fp32 drafter's. Quantized
+        # straight from the file's tensors (the same values as from their fp32 conversion), one linear at a time.
         quantize_linears(model, 8, head.kernel)
-    elif fp32 and invariant_head(head) is not None and (kernel := load_kernel()) is not None:
+        _own_copies(model, want)
+    elif want == torch.float32 and invariant_head(head) is not None and (kernel := load_kernel()) is not None:
+        model = model.to(want)
         pack_linears(model, kernel)  # the drafter follows the target onto row-invariant kernels (packed fp32)
+        _own_copies(model, want)
+    else:
+        model = model.to(want)
     return DFlashDrafter(model, target, block=spec.block_size, draft_vocab=vocab)
 
 

@@ -23,12 +23,23 @@ from byblock.verify.rows import FIRST_ROWS
 COST_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 33, 48, 64, 65)
 
 
+PROBE_ROWS = 512  # distinct embedding rows the timing forwards read
+
+
+def _probe_ids(target: TargetModel, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Random token ids for timing forwards, from a few hundred rows of the vocabulary: a forward's cost does not
+    depend on which ids it embeds, and ids spread over all of it would page in the whole (mapped) embedding table
+    (108 MiB for SmolLM2) for nothing."""
+    high = min(max(11, target.vocab_size - 1), 10 + PROBE_ROWS)
+    return torch.randint(10, high, shape, generator=g, device=target.device)
+
+
 def measure_verify_cost(target: TargetModel, sizes=COST_SIZES, context: int = 128, repeats: int = 3) -> dict:
     """Median seconds of one verify forward over k new tokens after `context` cached ones, per k: the decoder
     stack over k rows, then the LM head over the rows a verification reads first (verify/rows.py)."""
     g = torch.Generator(device=target.device).manual_seed(0)
     shape = (1, context + max(sizes))
-    ids = torch.randint(10, max(11, target.vocab_size - 1), shape, generator=g, device=target.device)
+    ids = _probe_ids(target, shape, g)
     cache = KVCache(device=target.device)  # a plain cache: compressed ones (H2O, windows) are committed, not cropped
     target.forward(ids[:, :context], cache, logits_to_keep=1)
     out = {}
@@ -52,7 +63,7 @@ def measure_segment_cost(target: TargetModel, segments: int = 8, context: int = 
     from byblock.models.adapter import SegmentInput
 
     g = torch.Generator(device=target.device).manual_seed(0)
-    ids = torch.randint(10, max(11, target.vocab_size - 1), (segments, context), generator=g, device=target.device)
+    ids = _probe_ids(target, (segments, context), g)
     caches = [KVCache(device=target.device) for _ in range(segments)]
     for row, cache in zip(ids, caches, strict=True):
         target.forward(row[None], cache, logits_to_keep=1)

@@ -160,8 +160,11 @@ def save_dflash(
     return Path(out_dir)
 
 
-def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[DFlashDraftModel, torch.Tensor | None]:
-    """Load a reference-layout checkpoint; returns the model and byblock's draft vocabulary (or None)."""
+def load_dflash(
+    path: str | Path, dtype: torch.dtype | None = torch.float32
+) -> tuple[DFlashDraftModel, torch.Tensor | None]:
+    """Load a reference-layout checkpoint; returns the model and byblock's draft vocabulary (or None).
+    `dtype` None: the file's own dtype, its tensors mapped from the file (read lazily, copied on write)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -169,13 +172,14 @@ def load_dflash(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[D
         raise ByblockError(f"{path} is not a DFlash checkpoint (needs config.json and {WEIGHTS})")
     raw = json.loads((path / "config.json").read_text())
     cfg = from_hf_config(raw)
-    model = DFlashDraftModel(cfg)
-    state = load_file(str(path / WEIGHTS))
+    with torch.device("meta"):  # no random init and no second copy: the parameters become the file's tensors
+        model = DFlashDraftModel(cfg)
+    state = load_file(str(path / WEIGHTS))  # a private (copy-on-write) mapping of the file: writable, lazily read
     state = {k.removeprefix("model."): v for k, v in state.items()}  # vLLM-style prefixed exports load too
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ByblockError(f"{path}: weights do not match the config (missing {missing[:3]}, extra {unexpected[:3]})")
     vocab = None
     if (path / VOCAB).is_file():
         vocab = load_file(str(path / VOCAB))["draft_to_target"].to(torch.long)
-    return model.to(dtype).eval(), vocab
+    return (model if dtype is None else model.to(dtype)).eval(), vocab
