@@ -54,3 +54,54 @@ def test_cost_probes_read_few_embedding_rows():
     measure_verify_cost(target, sizes=(1, 4), context=16, repeats=1)
     measure_segment_cost(target, segments=2, context=16, repeats=1)
     assert seen and max(int(ids.max()) for ids in seen) < 10 + PROBE_ROWS
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
+def test_gguf_linears_stay_mapped_from_the_cache_fused_or_not():
+    """Every quantized linear of the GGUF target — q / k / v and gate / up fused by the decoder included — is a
+    view of the mapped blocks cache: fusing copied nothing (a copy would also leave the pages it read resident)."""
+    from byblock.kernels.quant_gemm import QuantLinear
+    from byblock.models.gguf_weights import CACHE_NAME
+
+    target = real_model_or_skip()
+    cache = Path(target.hf.name_or_path + ".quant") / CACHE_NAME
+    ranges = _mapped_ranges(cache.resolve())
+    assert ranges, "the blocks cache is not mapped"
+    linears = [m for m in target.hf.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 211
+    for m in linears:
+        for t in (m.q, m.scale, m.minv):
+            if t is not None:
+                ptr = t.untyped_storage().data_ptr()
+                assert any(lo <= ptr < hi for lo, hi in ranges)
+    layer = target.hf.model.layers[0].self_attn
+    assert layer.q_proj.q.untyped_storage().data_ptr() == layer.v_proj.q.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fusing_side_by_side_parts_is_a_view_and_separate_parts_a_copy(bits):
+    """fuse_linears: parts laid out side by side in one storage fuse as a view; separate parts are copied; both
+    fused weights equal the parts stacked, bitwise."""
+    from byblock.kernels.fuse import fuse_linears
+    from byblock.kernels.quant_gemm import QuantLinear, QuantWeight, quantize
+
+    torch.manual_seed(0)
+    weights = [torch.randn(n, 64) for n in (32, 16, 16)]
+    stacked = torch.cat(weights)
+    whole = quantize(stacked, bits)
+    spans = [2, 1, 1]  # panels of 16 outputs
+    qs, scales = whole.q.split(spans), whole.scale.split(spans)
+    minvs = whole.minv.split(spans) if whole.minv is not None else [None] * 3
+    views = [
+        QuantLinear(QuantWeight(bits, q, s, m, w.shape[0]), None, None)
+        for q, s, m, w in zip(qs, scales, minvs, weights, strict=True)
+    ]
+    fused = fuse_linears(views)
+    assert fused.q.untyped_storage().data_ptr() == whole.q.untyped_storage().data_ptr()
+    assert torch.equal(fused.weight, whole.dequantize())
+    separate = [QuantLinear(quantize(w, bits), None, None) for w in weights]
+    own = [m.q.untyped_storage().data_ptr() for m in separate]
+    copied = fuse_linears(separate)
+    assert copied.q.untyped_storage().data_ptr() not in own
+    assert {m.q.untyped_storage().data_ptr() for m in separate} == {copied.q.untyped_storage().data_ptr()}
+    assert torch.equal(copied.weight, whole.dequantize())

@@ -3,7 +3,9 @@
 Used by the target's decoder forward (models/decoder.py) and the drafter's inference forward
 (drafters/dflash_packed.py). Fusing is exact for byblock's kernels: each output is computed on its own (row- and
 column-invariant), so a fused call gives every output bitwise what the separate calls give; the fused weights are
-views shared with the original modules, not copies.
+views shared with the original modules, not copies. Where the parts already lie side by side in one storage (the
+GGUF cache stores the groups of SIDE_BY_SIDE that way, models/gguf_weights.py) the fused weight is a view of it and
+nothing is copied at all.
 """
 
 from __future__ import annotations
@@ -16,6 +18,30 @@ from torch import nn
 from byblock.kernels.packed_gemm import PackedLinear
 from byblock.kernels.quant_gemm import PANEL, QuantLinear, QuantWeight
 
+# Sibling linears the decoder forwards call as one (models/decoder.py): stored side by side where byblock lays
+# weights out itself, so fusing them copies nothing.
+SIDE_BY_SIDE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _side_by_side(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors' concatenation along dim 0 as a view, where they are contiguous consecutive slices of one
+    storage; else None."""
+    first = parts[0]
+    storage, offset = first.untyped_storage(), first.storage_offset()
+    for t in parts:
+        same = t.untyped_storage().data_ptr() == storage.data_ptr() and t.storage_offset() == offset
+        if not (same and t.is_contiguous()):
+            return None
+        offset += t.numel()
+    shape = (sum(t.shape[0] for t in parts), *first.shape[1:])
+    return first.new_empty(0).set_(storage, first.storage_offset(), shape, first.stride())
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenation along dim 0: a view where the parts lie side by side already, else a copy."""
+    view = _side_by_side(parts)
+    return torch.cat(parts) if view is None else view
+
 
 def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
     """One linear computing `linears`' outputs side by side, sharing their storage; None where they are not all
@@ -27,11 +53,11 @@ def fuse_linears(linears: list[nn.Module]) -> nn.Module | None:
         if len({m.bits for m in linears}) != 1 or any(m.out_features % PANEL for m in linears[:-1]):
             return None
         parts = [m.qweight for m in linears]
-        minv = None if first.bits == 8 else torch.cat([p.minv for p in parts])
+        minv = None if first.bits == 8 else _cat([p.minv for p in parts])
         fused = QuantWeight(
             first.bits,
-            torch.cat([p.q for p in parts]),
-            torch.cat([p.scale for p in parts]),
+            _cat([p.q for p in parts]),
+            _cat([p.scale for p in parts]),
             minv,
             sum(m.out_features for m in linears),
         )

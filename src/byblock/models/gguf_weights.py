@@ -10,6 +10,7 @@ stay float.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -19,7 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from byblock.kernels.quant_gemm import GROUP, QuantGemm, QuantLinear, QuantWeight
+from byblock.kernels.fuse import SIDE_BY_SIDE
+from byblock.kernels.quant_gemm import GROUP, PANEL, QuantGemm, QuantLinear, QuantWeight
 
 log = logging.getLogger("byblock")
 
@@ -135,7 +137,7 @@ def quantize_from_gguf(model: nn.Module, gguf_path: Path, kernel: QuantGemm | No
     return report
 
 
-CACHE_NAME = "gguf-linears-v2.safetensors"  # bump the version when the kernel layout changes
+CACHE_NAME = "gguf-linears-v3.safetensors"  # bump the version when the kernel layout or the grouping changes
 
 
 def _install(model: nn.Module, name: str, qweight: QuantWeight, kernel: QuantGemm | None) -> None:
@@ -144,36 +146,68 @@ def _install(model: nn.Module, name: str, qweight: QuantWeight, kernel: QuantGem
     setattr(model.get_submodule(parent_name), attr, QuantLinear(qweight, module.bias, kernel))
 
 
+def _groups(kept: dict[str, tuple[str, int, int]]) -> list[list[str]]:
+    """The kept linears as storage groups: siblings the decoder fuses (kernels/fuse.py SIDE_BY_SIDE) together
+    where they share a bit width and all but the last fill whole panels, every other linear alone."""
+    groups, grouped = [], set()
+    for name in kept:
+        parent, _, attr = name.rpartition(".")
+        for siblings in SIDE_BY_SIDE:
+            if attr != siblings[0]:
+                continue
+            members = [f"{parent}.{s}" if parent else s for s in siblings]
+            fits = all(m in kept for m in members) and len({kept[m][1] for m in members}) == 1
+            if fits and all(kept[m][2] % PANEL == 0 for m in members[:-1]):
+                groups.append(members)
+                grouped.update(members)
+    return groups + [[name] for name in kept if name not in grouped]
+
+
+def _save_cache(model: nn.Module, report: GgufReport, cache: Path) -> None:
+    """Write the kept linears' blocks, each group's tensors concatenated (so its members load as views of one
+    storage and fusing them copies nothing, mapped straight from the file)."""
+    from safetensors.torch import save_file
+
+    kept = {}
+    for name in report.kept:
+        w = model.get_submodule(name).qweight
+        kept[name] = (report.kept[name], w.bits, w.out_features)
+    tensors = {}
+    for members in _groups(kept):
+        parts = [model.get_submodule(m).qweight for m in members]
+        key = "+".join(members)
+        tensors[f"{key}.q"] = torch.cat([w.q for w in parts])
+        tensors[f"{key}.scale"] = torch.cat([w.scale for w in parts])
+        if parts[0].minv is not None:
+            tensors[f"{key}.minv"] = torch.cat([w.minv for w in parts])
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata={"byblock": json.dumps({"kept": kept, "skipped": report.skipped})})
+    os.replace(tmp, cache)  # atomic: a killed run never leaves half a cache
+    for old in cache.parent.glob("gguf-linears-v*.safetensors"):
+        if old.name != cache.name:
+            old.unlink(missing_ok=True)  # an older layout's cache: never read again
+
+
 def load_gguf_linears(
     model: nn.Module, gguf_path: Path, cache_dir: Path, kernel: QuantGemm | None, n_layers: int
 ) -> GgufReport:
     """`quantize_from_gguf` with its result cached in `cache_dir` (built and checked once, then read back)."""
-    import json
-
-    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    from safetensors.torch import load_file
 
     cache = cache_dir / CACHE_NAME
-    if cache.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(cache), "pt") as f:
-            meta = json.loads(f.metadata()["byblock"])
-        tensors = load_file(str(cache))
-        for name, (_kind, bits, out_features) in meta["kept"].items():
-            minv = tensors.get(f"{name}.minv")
-            qweight = QuantWeight(bits, tensors[f"{name}.q"], tensors[f"{name}.scale"], minv, out_features)
-            _install(model, name, qweight, kernel)
-        return GgufReport({k: v[0] for k, v in meta["kept"].items()}, meta["skipped"])
-    report = quantize_from_gguf(model, gguf_path, kernel, n_layers)
-    tensors, kept = {}, {}
-    for name, kind in report.kept.items():
-        w = model.get_submodule(name).qweight
-        tensors[f"{name}.q"], tensors[f"{name}.scale"] = w.q, w.scale
-        if w.minv is not None:
-            tensors[f"{name}.minv"] = w.minv
-        kept[name] = (kind, w.bits, w.out_features)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata={"byblock": json.dumps({"kept": kept, "skipped": report.skipped})})
-    os.replace(tmp, cache)  # atomic: a killed run never leaves half a cache
-    return report
+    if not cache.is_file():
+        _save_cache(model, quantize_from_gguf(model, gguf_path, kernel, n_layers), cache)
+    with safe_open(str(cache), "pt") as f:
+        meta = json.loads(f.metadata()["byblock"])
+    kept = {name: tuple(v) for name, v in meta["kept"].items()}
+    tensors = load_file(str(cache))  # mapped: pages are read as the kernels first touch them
+    for members in _groups(kept):
+        key = "+".join(members)
+        panels = [-(-kept[m][2] // PANEL) for m in members]
+        qs, scales = tensors[f"{key}.q"].split(panels), tensors[f"{key}.scale"].split(panels)
+        minvs = tensors[f"{key}.minv"].split(panels) if f"{key}.minv" in tensors else [None] * len(members)
+        for m, q, scale, minv in zip(members, qs, scales, minvs, strict=True):
+            _install(model, m, QuantWeight(kept[m][1], q, scale, minv, kept[m][2]), kernel)
+    return GgufReport({k: v[0] for k, v in kept.items()}, meta["skipped"])
