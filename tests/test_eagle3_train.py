@@ -44,7 +44,7 @@ def test_training_forward_is_the_drafters_inference(tiny_targets):
     ok = torch.ones_like(tokens, dtype=torch.bool)
     to_draft = target_to_draft(vocab, target.vocab_size)
     with torch.no_grad():
-        steps = ttt_forward(model, drafter.embed_weight, hidden[:, :root], tokens, ok, to_draft, depth)
+        steps = ttt_forward(model, drafter.embedding.weight, hidden[:, :root], tokens, ok, to_draft, depth)
     i = root - 1  # the last committed feature row drafts depth 1
     for j, (h, labels, _) in enumerate(steps):
         torch.testing.assert_close(model.logits(h[0, i]), seen[j], rtol=1e-5, atol=1e-5, msg=f"step {j}")

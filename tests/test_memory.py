@@ -105,3 +105,30 @@ def test_fusing_side_by_side_parts_is_a_view_and_separate_parts_a_copy(bits):
     assert copied.q.untyped_storage().data_ptr() not in own
     assert {m.q.untyped_storage().data_ptr() for m in separate} == {copied.q.untyped_storage().data_ptr()}
     assert torch.equal(copied.weight, whole.dequantize())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_are_the_dequantized_rows_bitwise(bits):
+    """QuantWeight.rows reads a few outputs' blocks: bitwise `dequantize()[ids]`, repeats and padding panel too."""
+    from byblock.kernels.quant_gemm import quantize
+
+    torch.manual_seed(1)
+    qw = quantize(torch.randn(40, 96), bits)  # 40 outputs: the last panel is partly padding
+    ids = torch.tensor([0, 39, 17, 17, 16, 31, 32, 5])
+    assert torch.equal(qw.rows(ids), qw.dequantize()[ids])
+
+
+def test_tied_gguf_embedding_is_read_from_the_head_blocks():
+    """SmolLM2's tied embedding is looked up from the head's Q8_0 blocks: the fp32 checkpoint's rows, bitwise."""
+    from byblock.kernels.quant_embedding import QuantEmbedding, embed_rows
+    from byblock.models.loading import load_model
+
+    target = real_model_or_skip()
+    embedding = target.hf.get_input_embeddings()
+    assert isinstance(embedding, QuantEmbedding)
+    head = target.hf.get_output_embeddings()
+    assert embedding.qweight.q.untyped_storage().data_ptr() == head.q.untyped_storage().data_ptr()  # shared
+    table = load_model("smollm2-135m", weights="fp32", relayout=False).hf.get_input_embeddings()
+    ids = torch.tensor([[0, 1, 2, 49151], [7, 7, 300, 12345]])
+    assert torch.equal(embedding(ids), table(ids))
+    assert torch.equal(embed_rows(embedding, ids[0]), embed_rows(table, ids[0]))

@@ -29,24 +29,3 @@ def describe_machine() -> str:
     except (OSError, StopIteration):
         pass
     return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameters streamed per decode step.
-
-    Tied tensors count once. An input embedding that is not also the LM head is only row-gathered, so
-    it does not count (byblock's re-laid-out LM head is such a separate copy).
-    """
-    emb = model.get_input_embeddings().weight if hasattr(model, "get_input_embeddings") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_ptr = head.weight.data_ptr() if head is not None else None
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        if p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        if emb is not None and p.data_ptr() == emb.data_ptr() and p.data_ptr() != head_ptr:
-            continue
-        total += p.numel() * p.element_size()
-    return total

@@ -13,13 +13,13 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from byblock.drafters.dflash_model import DFlashDraftModel
 from byblock.drafters.dflash_packed import DraftCache, DraftRunner, PackedBlock
 from byblock.errors import ByblockError
 from byblock.kernels import invariant_head
+from byblock.kernels.quant_embedding import embed_rows
 from byblock.models.adapter import TargetModel
 from byblock.models.devices import device_clock
 from byblock.sampling.draft_adjust import DraftAdjust
@@ -72,8 +72,8 @@ class DFlashDrafter:
         self.mask_token_id = model.config.mask_token_id
         self.vocab_size = target.vocab_size
         # The reference embeds with the raw table (any in-model embedding scale is bypassed).
-        self.embed_weight = target.hf.get_input_embeddings().weight  # [V, H]
-        self.device = self.embed_weight.device  # the target's: the drafter runs beside it
+        self.embedding = target.hf.get_input_embeddings()  # read through embed_rows (raw rows, any kind)
+        self.device = target.device  # the target's: the drafter runs beside it
         head = target.hf.get_output_embeddings()
         self.draft_vocab = draft_vocab
         # The target's head on its row-invariant kernel (packed fp32 or quantized), if it has one.
@@ -169,10 +169,14 @@ class DFlashDrafter:
         dev, n = self.device, rows or self.block
         ids = torch.full((n,), self.mask_token_id, dtype=torch.long, device=dev)
         ids[0] = anchor
-        embeds = F.embedding(ids, self.embed_weight)  # [B, H]
+        embeds = embed_rows(self.embedding, ids)  # [B, H]
         block_pos = torch.arange(anchor_pos, anchor_pos + n, device=dev)  # [B]
         ctx_pos = torch.arange(self._pending_start, anchor_pos, device=dev)  # [C]
         return PackedBlock(embeds, self._pending, block_pos, ctx_pos, self._cache)
+
+    def embed_ids(self, ids: list[int]) -> torch.Tensor:
+        """Raw embedding rows [len(ids), H] of the target's table (any in-model scale bypassed)."""
+        return embed_rows(self.embedding, torch.tensor(ids, device=self.device))
 
     def head_logits(self, states: torch.Tensor) -> torch.Tensor:
         """Draft logits [n, Vd] from draft states [n, H] (the target's head, restricted; soft-capped if it is)."""

@@ -152,7 +152,7 @@ class DominoDrafter:
     def _embed(self, draft_id: int) -> torch.Tensor:
         vocab = self.dflash.draft_vocab
         tid = int(vocab[draft_id]) if vocab is not None else draft_id
-        return self.dflash.embed_weight[tid][None].to(self.head.proj_in.weight.dtype)  # [1, H]
+        return self.dflash.embed_ids([tid]).to(self.head.proj_in.weight.dtype)  # [1, H]
 
     def propose(self, tokens: list[int], max_depth: int) -> Draft:
         """Corrected drafts: sequential over the block, one GRU step per position."""
@@ -162,7 +162,7 @@ class DominoDrafter:
             base, h = d.draft_logits(tokens[-1], len(tokens) - 1, depth, return_hidden=True)  # [D, Vd], [D, H]
             h = h.to(self.head.proj_in.weight.dtype)
             anchor = tokens[-1]
-            emb_anchor = d.embed_weight[anchor][None].to(h.dtype)
+            emb_anchor = d.embed_ids([anchor]).to(h.dtype)
             if self.tree_budget:
                 return self._tree(base, h, emb_anchor, depth)
             return self._chain(base, h, emb_anchor, depth)

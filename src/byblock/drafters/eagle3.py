@@ -17,11 +17,11 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 
 from byblock.drafters.ddtree import tree_logp
 from byblock.drafters.eagle3_model import Eagle3DraftModel, StepKV
 from byblock.errors import ByblockError
+from byblock.kernels.quant_embedding import embed_rows
 from byblock.models.adapter import TargetModel
 from byblock.sampling.draft_adjust import DraftAdjust
 from byblock.sampling.params import SamplingParams
@@ -60,8 +60,8 @@ class Eagle3Drafter:
         self.block_size = depth
         self.budget, self.top_k = budget, top_k
         self.hidden_layers = tuple(model.config.target_layer_ids)
-        self.embed_weight = target.hf.get_input_embeddings().weight  # [V, H], the target's own table
-        self.device = self.embed_weight.device
+        self.embedding = target.hf.get_input_embeddings()  # the target's own table, read through embed_rows
+        self.device = target.device
         self.vocab = model.draft_vocab()  # [Vd] target ids
         self.vocab_size = target.vocab_size
         self._vocab_host: list[int] | None = None
@@ -101,7 +101,7 @@ class Eagle3Drafter:
     # ---- drafting ---------------------------------------------------------------------------------------
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed_weight).to(self.model.fc.weight.dtype)
+        return embed_rows(self.embedding, ids).to(self.model.fc.weight.dtype)
 
     def _context(self, tokens: list[int]) -> torch.Tensor:
         """Run the pending committed positions (each reads the next committed token) -> the last row's output

@@ -246,6 +246,21 @@ class QuantWeight:
             groups = groups + minv[..., None]
         return groups.reshape(self.out_features, self.in_features)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """De-quantized output rows `ids` [n] -> fp32 [n, K], bitwise `dequantize()[ids]`, reading only their
+        blocks (an embedding lookup from a tied head's blocks)."""
+        panel, j = ids // PANEL, ids % PANEL
+        g = self.scale.shape[1]
+        if self.bits == 4:
+            chunks = self.q.reshape(*self.q.shape[:2], 4, PANEL, 4)[panel, :, :, j, :]  # [n, G, c, b]
+            v = torch.stack([chunks & 0x0F, chunks >> 4], dim=2)  # [n, G, nibble, c, b]
+        else:
+            v = self.q.view(torch.int8).reshape(*self.q.shape[:2], 8, PANEL, 4)[panel, :, :, j, :]  # [n, G, t, b]
+        groups = v.float().reshape(len(ids), g, GROUP) * self.scale[panel, :, j][..., None]
+        if self.minv is not None:
+            groups = groups + self.minv[panel, :, j][..., None]
+        return groups.reshape(len(ids), g * GROUP)
+
     def take_rows(self, rows: torch.Tensor) -> QuantWeight:
         """The weight restricted to (or permuted by) these output rows."""
         v, scale, minv = self.values()

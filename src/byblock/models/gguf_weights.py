@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from byblock.kernels.fuse import SIDE_BY_SIDE
+from byblock.kernels.quant_embedding import QuantEmbedding
 from byblock.kernels.quant_gemm import GROUP, PANEL, QuantGemm, QuantLinear, QuantWeight
 
 log = logging.getLogger("byblock")
@@ -76,6 +77,7 @@ class GgufReport:
 
     kept: dict[str, str] = field(default_factory=dict)  # module name -> GGUF block type, as loaded
     skipped: dict[str, str] = field(default_factory=dict)  # module name -> why it stays float
+    embedding: str | None = None  # the kept head whose blocks are the input embedding's table, bitwise (tied)
 
     def summary(self) -> str:
         """One line: how many linears run on their GGUF blocks, by type, and how many stay float."""
@@ -134,6 +136,9 @@ def quantize_from_gguf(model: nn.Module, gguf_path: Path, kernel: QuantGemm | No
             qweight = qweight.take_rows(perm)
         _install(model, module_name, qweight, kernel)
         report.kept[module_name] = kind
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if module is head and type(embedding) is nn.Embedding and torch.equal(found, embedding.weight):
+            report.embedding = module_name  # tied: the lookup can read the head's blocks (QuantEmbedding)
     return report
 
 
@@ -182,7 +187,8 @@ def _save_cache(model: nn.Module, report: GgufReport, cache: Path) -> None:
             tensors[f"{key}.minv"] = torch.cat([w.minv for w in parts])
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata={"byblock": json.dumps({"kept": kept, "skipped": report.skipped})})
+    meta = {"kept": kept, "skipped": report.skipped, "embedding": report.embedding}
+    save_file(tensors, str(tmp), metadata={"byblock": json.dumps(meta)})
     os.replace(tmp, cache)  # atomic: a killed run never leaves half a cache
     for old in cache.parent.glob("gguf-linears-v*.safetensors"):
         if old.name != cache.name:
@@ -210,4 +216,7 @@ def load_gguf_linears(
         minvs = tensors[f"{key}.minv"].split(panels) if f"{key}.minv" in tensors else [None] * len(members)
         for m, q, scale, minv in zip(members, qs, scales, minvs, strict=True):
             _install(model, m, QuantWeight(kept[m][1], q, scale, minv, kept[m][2]), kernel)
-    return GgufReport({k: v[0] for k, v in kept.items()}, meta["skipped"])
+    if meta.get("embedding"):
+        old = model.get_input_embeddings()
+        model.set_input_embeddings(QuantEmbedding(model.get_submodule(meta["embedding"]).qweight, old.padding_idx))
+    return GgufReport({k: v[0] for k, v in kept.items()}, meta["skipped"], meta.get("embedding"))
