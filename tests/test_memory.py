@@ -132,3 +132,28 @@ def test_tied_gguf_embedding_is_read_from_the_head_blocks():
     ids = torch.tensor([[0, 1, 2, 49151], [7, 7, 300, 12345]])
     assert torch.equal(embedding(ids), table(ids))
     assert torch.equal(embed_rows(embedding, ids[0]), embed_rows(table, ids[0]))
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (Linux)")
+def test_release_freed_memory_returns_freed_heap_to_the_os():
+    """Many small tensors freed stay in malloc's heap (RSS unchanged) until release_freed_memory hands them back."""
+    from byblock.models.devices import _malloc_trim, release_freed_memory
+
+    if _malloc_trim() is None:
+        pytest.skip("no malloc_trim in this C library")
+    release_freed_memory()
+    base = _rss_mib()
+    blocks = [torch.ones(16 * 1024) for _ in range(2000)]  # 64 KiB each, below malloc's mmap threshold: ~125 MiB
+    assert _rss_mib() > base + 100
+    keep = blocks[-1]  # the newest block stays: the freed ones lie below it, so only a trim of the heap's inside helps
+    del blocks
+    release_freed_memory()
+    assert _rss_mib() < base + 40
+    del keep

@@ -16,6 +16,7 @@ from byblock.drafters.draft_model import ModelDrafter, check_same_vocabulary
 from byblock.drafters.ngram import NgramConfig, NgramDrafter
 from byblock.errors import ByblockError
 from byblock.models.adapter import TargetModel
+from byblock.models.devices import release_freed_memory
 
 
 class DrafterKind(Enum):
@@ -194,7 +195,9 @@ def build_dflash(spec: DrafterSpec, target: TargetModel, dtype: str = "float32")
         _own_copies(model, want)
     else:
         model = model.to(want)
-    return DFlashDrafter(model, target, block=spec.block_size, draft_vocab=vocab)
+    drafter = DFlashDrafter(model, target, block=spec.block_size, draft_vocab=vocab)
+    release_freed_memory()  # the conversion's temporaries
+    return drafter
 
 
 def build_eagle3(spec: DrafterSpec, target: TargetModel, dtype: str = "float32"):

@@ -15,7 +15,7 @@ import torch
 
 from byblock.kv.kv_cache import KVCache
 from byblock.models.adapter import TargetModel
-from byblock.models.devices import device_clock
+from byblock.models.devices import device_clock, release_freed_memory
 from byblock.verify.rows import FIRST_ROWS
 
 # both sides of each ROW_CHUNK boundary (kernels/invariant.py): 33 rows cost a second linear pass, a step that
@@ -54,6 +54,8 @@ def measure_verify_cost(target: TargetModel, sizes=COST_SIZES, context: int = 12
             times.append(clock() - t)
             cache.crop(context)
         out[k] = statistics.median(times[1:])  # the first run warms the kernels for this shape
+    del cache
+    release_freed_memory()
     return out
 
 
@@ -78,6 +80,8 @@ def measure_segment_cost(target: TargetModel, segments: int = 8, context: int = 
             for c in caches[:n]:
                 c.crop(context)
     many, one = (statistics.median(times[n][1:]) for n in (segments, 1))
+    del caches
+    release_freed_memory()  # the probe's eight caches and prefills: ~140 MiB otherwise kept by malloc
     return max(0.0, (many - one) / (segments - 1))
 
 

@@ -26,7 +26,14 @@ from byblock.kernels.invariant import enable_row_invariance, probe_row_invarianc
 from byblock.kernels.packed_gemm import load_kernel, pack_linears
 from byblock.kernels.quant_gemm import ACTIVATIONS, load_quant_kernel, quantize_linears
 from byblock.models.adapter import TargetModel
-from byblock.models.devices import DTYPES, WeightFormat, resolve_device, resolve_dtype, resolve_weights
+from byblock.models.devices import (
+    DTYPES,
+    WeightFormat,
+    release_freed_memory,
+    resolve_device,
+    resolve_dtype,
+    resolve_weights,
+)
 from byblock.models.gguf_weights import load_gguf_linears
 from byblock.models.registry import BUILTIN_MODELS, resolve_builtin
 
@@ -325,7 +332,9 @@ def load_model(
             raise ByblockError("--linears packed needs float32 weights, g++ and an AVX2 CPU (kernels/packed_gemm.py)")
         elif relayout:
             relayout_linears(model)
-    return TargetModel(model.eval(), tok, name=name_or_path, weights=described)
+    target = TargetModel(model.eval(), tok, name=name_or_path, weights=described)
+    release_freed_memory()  # loading's and re-layout's temporaries
+    return target
 
 
 def _quantize(model, fmt: WeightFormat, source: Path | None, ckpt: Path, kernel) -> str:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from byblock.engine.core import EngineCore, EngineRequest, RequestOutput
+from byblock.models.devices import release_freed_memory
 
 
 @dataclass
@@ -119,3 +120,5 @@ class AsyncEngine:
                 listener = self._listeners.get(out.request_id)
             if listener is not None:
                 listener.loop.call_soon_threadsafe(listener.outputs.put_nowait, out)
+        if not self.core.has_unfinished():
+            release_freed_memory()  # gone idle: the finished requests' caches go back to the OS, not to malloc
