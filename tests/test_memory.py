@@ -144,7 +144,7 @@ def _rss_mib() -> float:
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (Linux)")
 def test_release_freed_memory_returns_freed_heap_to_the_os():
     """Many small tensors freed stay in malloc's heap (RSS unchanged) until release_freed_memory hands them back."""
-    from byblock.models.devices import _malloc_trim, release_freed_memory
+    from byblock.models.host_memory import _malloc_trim, release_freed_memory
 
     if _malloc_trim() is None:
         pytest.skip("no malloc_trim in this C library")
@@ -157,3 +157,55 @@ def test_release_freed_memory_returns_freed_heap_to_the_os():
     release_freed_memory()
     assert _rss_mib() < base + 40
     del keep
+
+
+def _rss_file_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no RssFile")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
+def test_drop_mapped_pages_releases_a_mapped_tensor_and_leaves_heap_memory_alone(tmp_path):
+    """A tensor mapped from a safetensors file: its read pages leave the process (the bytes stay the file's, read
+    again on the next touch). A heap tensor: untouched, values intact."""
+    from safetensors.torch import load_file, save_file
+
+    from byblock.models.host_memory import drop_mapped_pages
+
+    want = torch.arange(16 * 2**20, dtype=torch.float32)  # 64 MiB
+    save_file({"w": want, "norm": torch.ones(8)}, str(tmp_path / "m.safetensors"))
+    mapped = load_file(str(tmp_path / "m.safetensors"))
+    assert float(mapped["w"].sum()) == float(want.sum())  # every page read: resident
+    before = _rss_file_mib()
+    drop_mapped_pages(mapped["w"])
+    assert _rss_file_mib() < before - 50
+    assert torch.equal(mapped["w"], want) and torch.equal(mapped["norm"], torch.ones(8))
+    heap = want.clone()
+    drop_mapped_pages(heap)
+    assert torch.equal(heap, want)
+
+
+def _mapping_rss_mib(path: Path) -> float:
+    """Resident MiB of this process's mappings of `path`."""
+    total, current = 0, None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and "-" in fields[0] and not fields[0].endswith(":"):
+            current = fields[5] if len(fields) >= 6 else None
+        elif fields and fields[0] == "Rss:" and current == str(path):
+            total += int(fields[1])
+    return total / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc (Linux)")
+def test_round_to_nearest_load_leaves_no_fp32_linear_pages_resident():
+    """--weights int4 from the fp32 checkpoint: the linears it quantized were read in full; their pages go back
+    as each is replaced (the checkpoint is 513 MiB, of which only the embedding rows in use need stay)."""
+    from byblock.models.loading import load_model
+
+    real_model_or_skip()  # the package is installed (and its checkpoint converted)
+    target = load_model("smollm2-135m", weights="int4")
+    ckpt = Path(target.hf.name_or_path).resolve() / "model.safetensors"
+    assert _mapping_rss_mib(ckpt) < 150

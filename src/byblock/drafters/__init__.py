@@ -16,7 +16,7 @@ from byblock.drafters.draft_model import ModelDrafter, check_same_vocabulary
 from byblock.drafters.ngram import NgramConfig, NgramDrafter
 from byblock.errors import ByblockError
 from byblock.models.adapter import TargetModel
-from byblock.models.devices import release_freed_memory
+from byblock.models.host_memory import release_freed_memory
 
 
 class DrafterKind(Enum):

@@ -15,7 +15,8 @@ import torch
 
 from byblock.kv.kv_cache import KVCache
 from byblock.models.adapter import TargetModel
-from byblock.models.devices import device_clock, release_freed_memory
+from byblock.models.devices import device_clock
+from byblock.models.host_memory import release_freed_memory
 from byblock.verify.rows import FIRST_ROWS
 
 # both sides of each ROW_CHUNK boundary (kernels/invariant.py): 33 rows cost a second linear pass, a step that

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -129,8 +130,9 @@ class PackedLinear(nn.Module):
         return self.kernel.linear(x, self.packed, self.out_features, self.bias)
 
 
-def pack_linears(model: nn.Module, kernel: PackedGemm) -> int:
-    """Replace every fp32 nn.Linear in `model` by a PackedLinear; returns how many were replaced.
+def pack_linears(model: nn.Module, kernel: PackedGemm, replaced: Callable[[nn.Linear], None] | None = None) -> int:
+    """Replace every fp32 nn.Linear in `model` by a PackedLinear; returns how many were replaced. `replaced`: called
+    with each module once it is out of the model (the loader hands its mapped checkpoint pages back).
 
     A tied LM head gets its own packed copy (V*H more floats); the input embedding keeps the [V, H] table."""
     count = 0
@@ -139,4 +141,6 @@ def pack_linears(model: nn.Module, kernel: PackedGemm) -> int:
             if type(child) is nn.Linear and child.weight.dtype == torch.float32:
                 setattr(parent, name, PackedLinear.from_linear(child, kernel))
                 count += 1
+                if replaced is not None:
+                    replaced(child)
     return count

@@ -324,13 +324,22 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}"
 
 
-def quantize_linears(model: nn.Module, bits: int, kernel: QuantGemm | None, skip: set[int] | None = None) -> int:
+def quantize_linears(
+    model: nn.Module,
+    bits: int,
+    kernel: QuantGemm | None,
+    skip: set[int] | None = None,
+    replaced: Callable[[nn.Linear], None] | None = None,
+) -> int:
     """Replace every float nn.Linear whose input size is a multiple of 32 by a QuantLinear (round-to-nearest);
-    returns how many were replaced. `skip`: ids of modules to leave alone."""
+    returns how many were replaced. `skip`: ids of modules to leave alone; `replaced`: called with each module
+    once it is out of the model (the loader hands its mapped checkpoint pages back)."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.in_features % GROUP == 0 and id(child) not in (skip or set()):
                 setattr(parent, name, QuantLinear(quantize(child.weight, bits), child.bias, kernel))
                 count += 1
+                if replaced is not None:
+                    replaced(child)
     return count

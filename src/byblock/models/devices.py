@@ -4,9 +4,7 @@ what this machine cannot do."""
 
 from __future__ import annotations
 
-import ctypes
 import enum
-import functools
 import time
 from collections.abc import Callable
 
@@ -118,23 +116,3 @@ def device_clock(device: torch.device) -> Callable[[], float]:
         return time.perf_counter()
 
     return clock
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return getattr(ctypes.CDLL(None), "malloc_trim", None)
-    except OSError:
-        return None
-
-
-def release_freed_memory() -> None:
-    """Hand the host memory that set-up work freed (weight conversion, cost probes) back to the OS.
-
-    glibc keeps freed blocks in its heap for reuse, so without this a process stays resident at its set-up peak:
-    the batched engine's segment-cost probe alone left ~140 MiB behind (dev/LOG.md, session 37). malloc_trim(0)
-    returns every whole free page. A no-op where the C library has none (musl, macOS). Not for hot loops: it
-    walks the heap."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from byblock.engine.core import EngineCore, EngineRequest, RequestOutput
-from byblock.models.devices import release_freed_memory
+from byblock.models.host_memory import release_freed_memory
 
 
 @dataclass
