@@ -28,13 +28,7 @@ from byblock.kernels.invariant import enable_row_invariance, probe_row_invarianc
 from byblock.kernels.packed_gemm import load_kernel, pack_linears
 from byblock.kernels.quant_gemm import ACTIVATIONS, load_quant_kernel, quantize_linears
 from byblock.models.adapter import TargetModel
-from byblock.models.devices import (
-    DTYPES,
-    WeightFormat,
-    resolve_device,
-    resolve_dtype,
-    resolve_weights,
-)
+from byblock.models.devices import DTYPES, WeightFormat, resolve_device, resolve_dtype, resolve_weights
 from byblock.models.gguf_weights import load_gguf_linears
 from byblock.models.host_memory import drop_mapped_pages, release_freed_memory
 from byblock.models.registry import BUILTIN_MODELS, resolve_builtin
@@ -356,7 +350,9 @@ def _page_releaser(model: nn.Module) -> Callable[[nn.Linear], None]:
     return release
 
 
-def _quantize(model, fmt: WeightFormat, source: Path | None, ckpt: Path, kernel, release=None) -> str:
+def _quantize(
+    model, fmt: WeightFormat, source: Path | None, ckpt: Path, kernel, release: Callable[[nn.Linear], None]
+) -> str:
     """Quantize `model`'s linears in place as `fmt` asks; returns a description ("gguf: 210 Q4_1, 1 Q8_0")."""
     n_layers = model.config.get_text_config().num_hidden_layers
     if fmt is WeightFormat.GGUF:
