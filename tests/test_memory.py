@@ -209,3 +209,19 @@ def test_round_to_nearest_load_leaves_no_fp32_linear_pages_resident():
     target = load_model("smollm2-135m", weights="int4")
     ckpt = Path(target.hf.name_or_path).resolve() / "model.safetensors"
     assert _mapping_rss_mib(ckpt) < 150
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc (Linux)")
+def test_first_conversion_leaves_no_fp32_checkpoint_resident(tmp_path, monkeypatch):
+    """A first load converts the GGUF (an empty cache) and checks every block against the de-quantized fp32
+    checkpoint, reading all of it: those pages go back as each linear is checked, not at exit."""
+    from byblock.models.loading import load_model
+
+    real_model_or_skip()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    target = load_model("smollm2-135m")
+    assert target.weights == "gguf (210 Q4_1, 1 Q8_0), int8 activations"
+    ckpt = Path(target.hf.name_or_path).resolve()
+    assert ckpt.is_relative_to(tmp_path)
+    assert _mapping_rss_mib(ckpt / "model.safetensors") < 150

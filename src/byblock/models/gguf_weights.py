@@ -23,6 +23,7 @@ from torch import nn
 from byblock.kernels.fuse import SIDE_BY_SIDE
 from byblock.kernels.quant_embedding import QuantEmbedding
 from byblock.kernels.quant_gemm import GROUP, PANEL, QuantGemm, QuantLinear, QuantWeight
+from byblock.models.host_memory import drop_mapped_pages
 
 log = logging.getLogger("byblock")
 
@@ -136,6 +137,8 @@ def quantize_from_gguf(model: nn.Module, gguf_path: Path, kernel: QuantGemm | No
             qweight = qweight.take_rows(perm)
         _install(model, module_name, qweight, kernel)
         report.kept[module_name] = kind
+        if module is not head:  # the check read its fp32 pages; the (tied) head's are the embedding's too
+            drop_mapped_pages(module.weight)
         embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if module is head and type(embedding) is nn.Embedding and torch.equal(found, embedding.weight):
             report.embedding = module_name  # tied: the lookup can read the head's blocks (QuantEmbedding)

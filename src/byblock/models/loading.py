@@ -150,6 +150,8 @@ def dequantize_gguf(gguf: Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    del model, tok
+    release_freed_memory()  # the de-quantized fp32 model (0.5 GB for SmolLM2), before the checkpoint is loaded
     return target
 
 
