@@ -225,3 +225,23 @@ def test_first_conversion_leaves_no_fp32_checkpoint_resident(tmp_path, monkeypat
     ckpt = Path(target.hf.name_or_path).resolve()
     assert ckpt.is_relative_to(tmp_path)
     assert _mapping_rss_mib(ckpt / "model.safetensors") < 150
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc (Linux)")
+def test_rss_breakdown_script_runs():
+    """benchmarks/rss_breakdown.py (how RESULTS §12's memory items were found) stays runnable."""
+    import subprocess
+    import sys
+
+    real_model_or_skip()
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "rss_breakdown.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--drafter", "none", "--tokens", "4", "--top", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    stages = [line.split()[0] for line in out.stdout.splitlines() if " RSS " in line]
+    assert stages == ["start", "import", "import", "load_model", "answer"], out.stdout
