@@ -134,11 +134,12 @@ def test_tied_gguf_embedding_is_read_from_the_head_blocks():
     assert torch.equal(embed_rows(embedding, ids[0]), embed_rows(table, ids[0]))
 
 
-def _rss_mib() -> float:
+def _status_mib(key: str = "VmRSS") -> float:
+    """One memory line of /proc/self/status (VmRSS, RssFile, ...), in MiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {key}")
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (Linux)")
@@ -149,21 +150,14 @@ def test_release_freed_memory_returns_freed_heap_to_the_os():
     if _malloc_trim() is None:
         pytest.skip("no malloc_trim in this C library")
     release_freed_memory()
-    base = _rss_mib()
+    base = _status_mib()
     blocks = [torch.ones(16 * 1024) for _ in range(2000)]  # 64 KiB each, below malloc's mmap threshold: ~125 MiB
-    assert _rss_mib() > base + 100
+    assert _status_mib() > base + 100
     keep = blocks[-1]  # the newest block stays: the freed ones lie below it, so only a trim of the heap's inside helps
     del blocks
     release_freed_memory()
-    assert _rss_mib() < base + 40
+    assert _status_mib() < base + 40
     del keep
-
-
-def _rss_file_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssFile:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no RssFile")
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
@@ -178,9 +172,9 @@ def test_drop_mapped_pages_releases_a_mapped_tensor_and_leaves_heap_memory_alone
     save_file({"w": want, "norm": torch.ones(8)}, str(tmp_path / "m.safetensors"))
     mapped = load_file(str(tmp_path / "m.safetensors"))
     assert float(mapped["w"].sum()) == float(want.sum())  # every page read: resident
-    before = _rss_file_mib()
+    before = _status_mib("RssFile")
     drop_mapped_pages(mapped["w"])
-    assert _rss_file_mib() < before - 50
+    assert _status_mib("RssFile") < before - 50
     assert torch.equal(mapped["w"], want) and torch.equal(mapped["norm"], torch.ones(8))
     heap = want.clone()
     drop_mapped_pages(heap)
