@@ -110,6 +110,7 @@ def quantize_from_gguf(model: nn.Module, gguf_path: Path, kernel: QuantGemm | No
     names = _tensor_names(reader, n_layers)
     report = GgufReport()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     for module_name, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
@@ -139,7 +140,6 @@ def quantize_from_gguf(model: nn.Module, gguf_path: Path, kernel: QuantGemm | No
         report.kept[module_name] = kind
         if module is not head:  # the check read its fp32 pages; the (tied) head's are the embedding's too
             drop_mapped_pages(module.weight)
-        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if module is head and type(embedding) is nn.Embedding and torch.equal(found, embedding.weight):
             report.embedding = module_name  # tied: the lookup can read the head's blocks (QuantEmbedding)
     return report

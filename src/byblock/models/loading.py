@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -341,9 +342,7 @@ def _page_releaser(model: nn.Module) -> Callable[[nn.Linear], None]:
     checkpoint, which the embedding and norms keep open, so every page the conversion read would stay resident
     beside the converted copy (fp32 SmolLM2: 513 MiB beside int4's 60). A tied weight (the head that is also the
     input embedding) stays."""
-    counts: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        counts[p.untyped_storage().data_ptr()] = counts.get(p.untyped_storage().data_ptr(), 0) + 1
+    counts = Counter(p.untyped_storage().data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
 
     def release(linear: nn.Linear) -> None:
         if counts.get(linear.weight.untyped_storage().data_ptr(), 0) == 1:
