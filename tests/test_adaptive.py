@@ -296,6 +296,21 @@ def test_adaptive_hybrid_sampling_matches_target_distribution():
         cost=CostModel({1: 1.0, 4: 1.2, 16: 2.0}),
         lookup=NgramDrafter(NgramConfig(block_size=3)),
     )
+    # A fake clock, so which rounds rest does not depend on the host's speed: each reading is a second later and
+    # a drafter forward costs three more (the tiny drafter rarely pays).
+    now = [0.0]
+
+    def tick() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    draft_logits = drafter.dflash.draft_logits
+
+    def slow_draft(*args, **kwargs):
+        now[0] += 3.0
+        return draft_logits(*args, **kwargs)
+
+    drafter.clock, drafter.dflash.draft_logits = tick, slow_draft
     assert sampling_pvalue(target, drafter, prompt, params) > SAMPLING_ALPHA
     assert drafter.rests > 1000 and drafter.drafted > 30
 
