@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from byblock.bench.datasets import load_dev
+from byblock.bench.datasets import load_dev, load_humaneval
 from byblock.bench.hardware import describe_machine
 from byblock.bench.load import LoadConfig, run_level
 from byblock.bench.report import replace_section
@@ -66,7 +66,10 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--requests-per-client", type=int, default=2, help="requests per level = clients × this (min 8)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--limit", type=int, default=32, help="distinct dev prompts")
+    p.add_argument("--limit", type=int, default=32, help="distinct prompts")
+    p.add_argument(
+        "--dataset", choices=("dev", "humaneval"), default="dev", help="humaneval: raw code prompts to /v1/completions"
+    )
     p.add_argument("--out", default="bench-out/serve-engines")
     p.add_argument("--update-results", default=None)
     p.add_argument("--section", default="serve-engines")
@@ -74,7 +77,8 @@ def main() -> int:
     args = p.parse_args()
     drafters = [d for d in args.drafters.split(",") if d]
     levels = [int(c) for c in args.concurrency.split(",")]
-    prompts = tuple(x.text for x in load_dev(args.limit))
+    code = args.dataset == "humaneval"
+    prompts = tuple(x.text for x in (load_humaneval(args.limit) if code else load_dev(args.limit)))
     servers = {engine: start(engine, drafters, args.serve_args) for engine in ("fifo", "batched")}
     rows = []
     try:
@@ -90,6 +94,7 @@ def main() -> int:
                         concurrency=(c,),
                         requests=max(8, c * args.requests_per_client),
                         max_tokens=args.max_tokens,
+                        completions=code,
                     )
                     res = asyncio.run(run_level(cfg, d, c))
                     j = res.to_json() | {"engine": engine}
@@ -125,9 +130,10 @@ def main() -> int:
     command = "python benchmarks/serve_engines.py " + shlex.join(sys.argv[1:])
     (out / "load.json").write_text(json.dumps({"command": command, "levels": rows}, indent=1))
     if args.update_results:
+        kind = "HumanEval prompts as raw completions" if code else "dev prompts as chat requests"
         body = (
             f"Measured {datetime.date.today().isoformat()} on {describe_machine()}: `{command}`; model `{model}`, "
-            f"{args.max_tokens} max tokens, greedy, {len(prompts)} dev prompts, closed-loop streamed chat clients; "
+            f"{args.max_tokens} max tokens, greedy, {len(prompts)} {kind}, closed-loop streamed clients; "
             "TTFT and latency include queueing.\n\n" + table
         )
         replace_section(Path(args.update_results), args.section, body)

@@ -14,6 +14,16 @@ from tiny import ARCHS, make_target, save_checkpoint
 
 torch.set_num_threads(1)
 
+# Files whose tests take minutes in one worker (`--dist loadfile` keeps a file in one process): collected first, so
+# they run beside the rest of the suite instead of alone at its end (the vLLM tier: ~4-5 minutes, dev/LOG.md
+# session 38). The sort is stable: every other file, and the order inside each file, stay as collected.
+LONG_FILES = ("test_vllm_handoff.py",)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Move the long files' tests to the front of the collection (see LONG_FILES)."""
+    items.sort(key=lambda item: item.path.name not in LONG_FILES)
+
 
 @pytest.fixture(scope="session", params=ARCHS)
 def tiny_target(request):

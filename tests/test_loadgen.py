@@ -43,3 +43,27 @@ def test_loadgen_without_server_is_one_line(capsys):
     assert main(["loadgen", "--url", "http://127.0.0.1:9", "--requests", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "no OpenAI-compatible server" in err
+
+
+def test_loadgen_sends_raw_prompts_to_completions(tmp_path):
+    """Rows marked "chat": false (HumanEval's shape) go to /v1/completions, and their streamed text is timed."""
+    prompts = tmp_path / "code.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n", "chat": False}) + "\n" for i in range(3)))
+    _, app = build_app()
+    with running(app) as url:
+        args = ["loadgen", "--url", url, "--concurrency", "2", "--requests", "4", "--max-tokens", "6"]
+        args += ["--dataset-path", str(prompts), "--out", str(tmp_path)]
+        assert main(args) == 0
+        metrics = app.state.metrics.render().decode()
+    (level,) = json.loads((tmp_path / "load.json").read_text())["levels"]
+    assert level["errors"] == 0 and level["completion_tokens"] == 24
+    assert 0 < level["ttft_p50_s"] <= level["e2e_p50_s"]
+    assert 'byblock_requests_total{endpoint="completions",status="ok"} 5.0' in metrics  # 4 + the warm-up
+
+
+def test_loadgen_refuses_mixed_prompt_kinds(tmp_path, capsys):
+    prompts = tmp_path / "mixed.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": "def f():", "chat": False}) + "\n")
+    assert main(["loadgen", "--url", "http://127.0.0.1:9", "--dataset-path", str(prompts)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "mix chat and raw" in err  # refused before any request is sent

@@ -51,26 +51,6 @@ def test_export_writes_the_layout_vllm_globs(tmp_path):
     assert "byblock launch vllm" in r.stderr
 
 
-def test_vllm_peers_match_byblock(tmp_path, vllm_python):
-    real_model_or_skip()
-    cmd = [*CLI, "bench", "--methods", "ar,dflash,vllm,vllm-dflash", "--dataset", str(PROMPTS), "--limit", "4"]
-    cmd += ["--max-new-tokens", "64", "--batch", "2", "--no-plots", "--quiet", "--out", str(tmp_path / "out")]
-    # vLLM computes the GGUF's de-quantized floats on fp32 activations: byblock on the same function, so every
-    # output can be token-identical (int8 activations are another function, within ~1 %).
-    cmd += ["--activations", "fp32"]
-    env = {**os.environ, "BYBLOCK_VLLM_PYTHON": str(vllm_python)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert report["peers"]["vllm-dflash"].startswith("vLLM 0.32") and report["batch"] == 2
-    rows = report["datasets"][PROMPTS.stem]["methods"]
-    for name in ("dflash", "vllm", "vllm-dflash"):
-        assert rows[name]["mismatched_turns"] == 0, name  # token-identical to byblock's plain decoding
-    assert rows["vllm-dflash"]["mismatched_vs_engine"] == 0  # and to vLLM's own plain decoding
-    assert rows["vllm"]["tau"] is None and rows["vllm-dflash"]["tau"] is not None
-    assert abs(rows["vllm-dflash"]["tau"] - rows["dflash"]["tau"]) <= 0.15, (rows["vllm-dflash"], rows["dflash"])
-
-
 def _wait_healthy(url: str, proc: subprocess.Popen, seconds: float) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -144,45 +124,76 @@ def _random_smollm2_head(path: Path, model) -> Path:
     return save_eagle3(head, path, torch.float32)
 
 
-def _byblock_and_vllm(tmp_path, vllm_python, mine: str, theirs: str) -> tuple[dict, dict]:
-    """`byblock bench` of a drafter in byblock (`mine`) and in vLLM (`theirs`) on 2 dev prompts, fp32
-    activations, batch 1 -> their report rows, each checked token-identical to its engine's plain decoding."""
-    cmd = [*CLI, "bench", "--methods", f"ar,{mine},vllm,{theirs}", "--dataset", str(PROMPTS), "--limit", "2"]
-    cmd += ["--activations", "fp32", "--max-new-tokens", "48", "--batch", "1", "--no-plots", "--quiet"]
-    cmd += ["--out", str(tmp_path / "out")]
-    env = {**os.environ, "BYBLOCK_VLLM_PYTHON": str(vllm_python)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads((tmp_path / "out" / "report.json").read_text())["datasets"][PROMPTS.stem]["methods"]
-    assert rows[mine]["mismatched_turns"] == 0 and rows[theirs]["mismatched_vs_engine"] == 0
-    return rows[mine], rows[theirs]
-
-
-def test_vllm_runs_a_sliding_window_drafter_like_byblock(tmp_path, vllm_python):
-    """MiMo's layout (use_swa, swa_window_size, non-causal blocks): the shipped drafter saved with a 24-position
-    window drafts the same blocks in byblock and in vLLM — both token-identical to plain decoding, the same τ.
-    (Causality is pinned by the export's `dflash_config.causal` (tests/test_dflash.py): on 4 dev prompts vLLM
-    drafting the blocks causally moved τ only from 1.80 to 1.77, below this test's tolerance; byblock: 1.82.)"""
+def _swa_drafter(path: Path) -> Path:
+    """The shipped drafter saved with a 24-position sliding window (MiMo's layout: use_swa, swa_window_size,
+    non-causal blocks)."""
     from dataclasses import replace
 
     from byblock.drafters import shipped_dflash_dir
     from byblock.drafters.dflash_format import load_dflash, save_dflash
     from byblock.drafters.dflash_model import DFlashDraftModel
 
-    real_model_or_skip(activations="fp32")
     full, vocab = load_dflash(shipped_dflash_dir("smollm2-135m"))
     swa = DFlashDraftModel(replace(full.config, sliding_window=24))
     swa.load_state_dict(full.state_dict())
-    path = save_dflash(swa, tmp_path / "swa", torch.float32, vocab)
-    mine, theirs = _byblock_and_vllm(tmp_path, vllm_python, f"dflash:{path}", f"vllm-dflash:{path}")
+    return save_dflash(swa, path, torch.float32, vocab)
+
+
+@pytest.fixture(scope="module")
+def side_by_side(tmp_path_factory, vllm_python) -> dict:
+    """One `byblock bench` (4 dev prompts, 64 tokens, batch 2, fp32 activations) of byblock plain and three
+    drafters — the shipped DFlash, it with a sliding window, a random EAGLE-3 head — each also run in vLLM on the
+    same token ids -> the report. One run instead of one per drafter: vLLM's plain peer, byblock's plain row and
+    the model loads are shared (CI time, dev/LOG.md session 38). vLLM computes the GGUF's de-quantized floats on
+    fp32 activations: byblock on the same function, so every output can be token-identical (int8 activations
+    are another function, within ~1 %)."""
+    model = real_model_or_skip(activations="fp32")
+    tmp = tmp_path_factory.mktemp("side_by_side")
+    swa = _swa_drafter(tmp / "swa")
+    head = _random_smollm2_head(tmp / "eagle3", model)
+    methods = f"ar,dflash,dflash:{swa},eagle3:{head},vllm,vllm-dflash,vllm-dflash:{swa},vllm-eagle3:{head}"
+    cmd = [*CLI, "bench", "--methods", methods, "--dataset", str(PROMPTS), "--limit", "4", "--activations", "fp32"]
+    cmd += ["--max-new-tokens", "64", "--batch", "2", "--no-plots", "--quiet", "--out", str(tmp / "out")]
+    env = {**os.environ, "BYBLOCK_VLLM_PYTHON": str(vllm_python)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=2400, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((tmp / "out" / "report.json").read_text())
+    report["paths"] = {"swa": swa, "head": head}
+    return report
+
+
+def _pair(report: dict, mine: str, theirs: str) -> tuple[dict, dict]:
+    """byblock's and vLLM's rows of one drafter, each checked token-identical to its engine's plain decoding."""
+    rows = report["datasets"][PROMPTS.stem]["methods"]
+    assert rows[mine]["mismatched_turns"] == 0, mine  # byblock's drafter: byblock's plain tokens
+    assert rows[theirs]["mismatched_turns"] == 0, theirs  # vLLM's: byblock's plain tokens too
+    assert rows[theirs]["mismatched_vs_engine"] == 0, theirs  # and vLLM's own plain decoding's
+    return rows[mine], rows[theirs]
+
+
+def test_vllm_peers_match_byblock(side_by_side):
+    """vLLM plain and with the exported shipped drafter, at batch 2: token-identical to byblock, the same τ."""
+    assert side_by_side["peers"]["vllm-dflash"].startswith("vLLM 0.32") and side_by_side["batch"] == 2
+    rows = side_by_side["datasets"][PROMPTS.stem]["methods"]
+    assert rows["vllm"]["mismatched_turns"] == 0 and rows["vllm"]["tau"] is None
+    mine, theirs = _pair(side_by_side, "dflash", "vllm-dflash")
+    assert theirs["tau"] is not None and abs(theirs["tau"] - mine["tau"]) <= 0.15, (theirs, mine)
+
+
+def test_vllm_runs_a_sliding_window_drafter_like_byblock(side_by_side):
+    """MiMo's layout (use_swa, swa_window_size, non-causal blocks): the shipped drafter with a 24-position window
+    drafts the same blocks in byblock and in vLLM — both token-identical to plain decoding, the same τ.
+    (Causality is pinned by the export's `dflash_config.causal` (tests/test_dflash.py): on 4 dev prompts vLLM
+    drafting the blocks causally moved τ only from 1.80 to 1.77, below this test's tolerance; byblock: 1.82.)"""
+    swa = side_by_side["paths"]["swa"]
+    mine, theirs = _pair(side_by_side, f"dflash:{swa}", f"vllm-dflash:{swa}")
     assert mine["tau"] > 1.3  # the window leaves a drafter worth comparing
     assert abs(theirs["tau"] - mine["tau"]) <= 0.15, (theirs, mine)
 
 
-def test_vllm_runs_byblocks_eagle3_head_like_byblock(tmp_path, vllm_python):
+def test_vllm_runs_byblocks_eagle3_head_like_byblock(side_by_side):
     """The same head in byblock and in vLLM (method eagle3): both token-identical to plain decoding, and the
     same τ — the check that byblock's head computes what vLLM's Eagle3LlamaForCausalLM computes."""
-    model = real_model_or_skip(activations="fp32")
-    head = _random_smollm2_head(tmp_path / "eagle3", model)
-    mine, theirs = _byblock_and_vllm(tmp_path, vllm_python, f"eagle3:{head}", f"vllm-eagle3:{head}")
+    head = side_by_side["paths"]["head"]
+    mine, theirs = _pair(side_by_side, f"eagle3:{head}", f"vllm-eagle3:{head}")
     assert theirs["tau"] is not None and abs(theirs["tau"] - mine["tau"]) <= 0.15, (theirs, mine)

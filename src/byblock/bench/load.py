@@ -1,7 +1,8 @@
 """A closed-loop load generator for `byblock serve` (or any OpenAI-compatible server).
 
-`concurrency` clients each send one streamed chat request at a time until `requests` have been sent or
-`duration_s` has passed (bounded both ways). Time to first token is measured by the client: from sending
+`concurrency` clients each send one streamed request at a time — a chat completion, or a raw completion for
+prompts like HumanEval's (`completions`) — until `requests` have been sent or `duration_s` has passed (bounded
+both ways). Time to first token is measured by the client: from sending
 the request to the first content chunk, queueing in the server included — what a user waits.
 """
 
@@ -30,6 +31,7 @@ class LoadConfig:
     max_tokens: int = 64
     temperature: float = 0.0
     timeout_s: float = 600.0
+    completions: bool = False  # raw prompts to /v1/completions (code completion), else chat to /v1/chat/completions
 
 
 @dataclass(frozen=True)
@@ -84,11 +86,16 @@ class LevelResult:
         }
 
 
+def _content(choice: dict) -> str | None:
+    """A streamed choice's new text: a chat chunk's delta content, or a completion chunk's text."""
+    return choice["delta"].get("content") if "delta" in choice else choice.get("text")
+
+
 async def one_request(client: httpx.AsyncClient, cfg: LoadConfig, drafter: str, prompt: str, seed: int) -> Sample:
-    """Send one streamed chat completion; time its first content chunk and its end."""
+    """Send one streamed (chat) completion; time its first content chunk and its end."""
     body = {
         "model": cfg.model,
-        "messages": [{"role": "user", "content": prompt}],
+        **({"prompt": prompt} if cfg.completions else {"messages": [{"role": "user", "content": prompt}]}),
         "max_tokens": cfg.max_tokens,
         "temperature": cfg.temperature,
         "seed": seed,
@@ -99,7 +106,8 @@ async def one_request(client: httpx.AsyncClient, cfg: LoadConfig, drafter: str, 
     start = time.perf_counter()
     ttft, tokens = None, 0
     try:
-        async with client.stream("POST", f"{cfg.url}/v1/chat/completions", json=body) as r:
+        path = "/v1/completions" if cfg.completions else "/v1/chat/completions"
+        async with client.stream("POST", cfg.url + path, json=body) as r:
             if r.status_code != 200:
                 return Sample(ok=False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
             async for line in r.aiter_lines():
@@ -108,7 +116,7 @@ async def one_request(client: httpx.AsyncClient, cfg: LoadConfig, drafter: str, 
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     return Sample(ok=False, error=chunk["error"].get("message", "error"))
-                if ttft is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                if ttft is None and chunk.get("choices") and _content(chunk["choices"][0]):
                     ttft = time.perf_counter() - start
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]

@@ -37,9 +37,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument(
+        "--dataset",
+        choices=("dev", "humaneval"),
+        default="dev",
+        help="dev: chat prompts to /v1/chat/completions; humaneval: HumanEval's raw code prompts to /v1/completions",
+    )
+    parser.add_argument(
         "--dataset-path",
         default=None,
-        help="prompts JSONL (default: $BYBLOCK_DEV_PROMPTS, else the 64 dev prompts shipped with byblock)",
+        help="dev prompts JSONL (default: $BYBLOCK_DEV_PROMPTS, else the 64 dev prompts shipped with byblock); "
+        'rows with "chat": false go to /v1/completions',
     )
     parser.add_argument("--limit", type=int, default=32, help="distinct prompts used")
     parser.add_argument("--out", default=None, help="write load.json here")
@@ -54,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     require("serve", "byblock loadgen", ("httpx",))
     import httpx
 
-    from byblock.bench.datasets import load_dev
+    from byblock.bench.datasets import load_dev, load_humaneval
     from byblock.bench.load import LoadConfig, markdown_table, run_load
     from byblock.bench.report import replace_section
 
@@ -62,6 +69,14 @@ def run(args: argparse.Namespace) -> int:
         raise ByblockError("--requests and --max-tokens must be >= 1 and --duration > 0")
     if bool(args.update_results) != bool(args.section):
         raise ByblockError("--update-results and --section go together")
+    if args.dataset == "humaneval" and args.dataset_path:
+        raise ByblockError("--dataset humaneval takes no --dataset-path")
+    rows = load_humaneval(args.limit) if args.dataset == "humaneval" else load_dev(args.limit, args.dataset_path)
+    if not rows:
+        raise ByblockError("no prompts to send")
+    if len({p.chat for p in rows}) > 1:
+        raise ByblockError("the prompts mix chat and raw completion rows; loadgen sends one kind per run")
+    prompts = tuple(p.text for p in rows)
     try:
         models = httpx.get(f"{args.url}/v1/models", timeout=10).json()["data"]
     except (httpx.HTTPError, ValueError, KeyError) as e:
@@ -74,7 +89,6 @@ def run(args: argparse.Namespace) -> int:
         raise ByblockError(
             f"server has not loaded drafter(s) {', '.join(missing)} (loaded: {', '.join(sorted(loaded))})"
         )
-    prompts = tuple(p.text for p in load_dev(args.limit, args.dataset_path))
     cfg = LoadConfig(
         url=args.url.rstrip("/"),
         model=model,
@@ -85,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         duration_s=args.duration,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
+        completions=not rows[0].chat,
     )
 
     def progress(res) -> None:
@@ -109,7 +124,14 @@ def run(args: argparse.Namespace) -> int:
         when = datetime.date.today().isoformat()
         body = (
             f"Measured {when}, `{command}` against `{cfg.url}` (model `{model}`), {cfg.max_tokens} max tokens, "
-            f"temperature {cfg.temperature}, {len(prompts)} dev prompts; TTFT includes queueing.\n\n{table}"
+            f"temperature {cfg.temperature}, {len(prompts)} {_kind(args.dataset, cfg.completions)}; TTFT includes "
+            f"queueing.\n\n{table}"
         )
         replace_section(Path(args.update_results), args.section, body)
     return 0
+
+
+def _kind(dataset: str, completions: bool) -> str:
+    """What the prompts were, for the results line."""
+    what = "HumanEval" if dataset == "humaneval" else "dev"
+    return f"{what} prompts as {'raw completions' if completions else 'chat requests'}"
