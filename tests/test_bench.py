@@ -142,6 +142,10 @@ def test_vllm_method_without_vllm_is_a_one_line_error(tmp_path, tiny_llama_dir, 
     cmd += ["--llama-server", sys.executable, "--llamacpp-gguf", str(tmp_path / "t.gguf"), "--no-plots", "--quiet"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 2 and "/nope is not a DFlash checkpoint" in r.stderr and "Traceback" not in r.stderr
+    cmd = [*CLI, "--model", str(tiny_llama_dir), "--methods", "ar,vllm", "--vllm-kv-cache-gib", "0", "--quiet"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "--vllm-kv-cache-gib must be >= 1" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(

@@ -154,6 +154,7 @@ def side_by_side(tmp_path_factory, vllm_python) -> dict:
     methods = f"ar,dflash,dflash:{swa},eagle3:{head},vllm,vllm-dflash,vllm-dflash:{swa},vllm-eagle3:{head}"
     cmd = [*CLI, "bench", "--methods", methods, "--dataset", str(PROMPTS), "--limit", "4", "--activations", "fp32"]
     cmd += ["--max-new-tokens", "64", "--batch", "2", "--no-plots", "--quiet", "--out", str(tmp / "out")]
+    cmd += ["--vllm-kv-cache-gib", "1"]  # four engines stay up for the whole run: ~3.8 GB each with 2 GiB of KV
     env = {**os.environ, "BYBLOCK_VLLM_PYTHON": str(vllm_python)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=2400, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -39,6 +39,7 @@ class PeerSetup:
     dtype: str = "fp32"
     seed: int = 0
     vllm_python: str | None = None
+    vllm_kv_cache_gib: int = 2  # per vLLM peer (VLLM_CPU_KVCACHE_SPACE)
     llama_server: str | None = None
     llamacpp_gguf: str | None = None  # the target's GGUF for llama.cpp (default: a built-in's own)
     batch: int = 1  # llama-server slots
@@ -150,6 +151,7 @@ class VllmRunner(_PeerRunner):
             dtype=DTYPES[setup.dtype],
             seed=setup.seed,
             threads_bind=setup.threads_bind,
+            kv_cache_gib=setup.vllm_kv_cache_gib,
         )
         self.peer = VllmPeer(cfg, python)
         self.engine_label = f"vLLM {self.peer.version} ({cfg.dtype})"

@@ -77,6 +77,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="the vLLM peers' weights dtype (default: --dtype's; bf16 runs vLLM-CPU's oneDNN bf16 / AMX kernels)",
     )
     parser.add_argument(
+        "--vllm-kv-cache-gib",
+        type=int,
+        default=2,
+        help="each vLLM peer's KV cache (VLLM_CPU_KVCACHE_SPACE): every peer stays up, paused, for the whole run, "
+        "so N peers hold N of these",
+    )
+    parser.add_argument(
         "--llama-server", default=None, help="llama.cpp's llama-server, for llamacpp* methods ($BYBLOCK_LLAMA_SERVER)"
     )
     parser.add_argument(
@@ -213,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
         raise ByblockError(f"--baseline '{args.baseline}' is not among --methods")
     if args.batch < 1:
         raise ByblockError("--batch must be >= 1")
+    if args.vllm_kv_cache_gib < 1:
+        raise ByblockError("--vllm-kv-cache-gib must be >= 1")
     datasets = load_datasets(args.dataset, args.dataset_path, args.limit)
     target = load_target(args)
     from byblock.cli.sparse_args import enable_sparse
@@ -239,6 +248,7 @@ def build_runners(specs, target, hf_target, args) -> dict:
         dtype=args.peer_dtype or args.dtype,
         seed=args.seed,
         vllm_python=args.vllm_python,
+        vllm_kv_cache_gib=args.vllm_kv_cache_gib,
         llama_server=args.llama_server,
         llamacpp_gguf=args.llamacpp_gguf,
         batch=args.batch,

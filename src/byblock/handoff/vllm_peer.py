@@ -53,6 +53,8 @@ class PeerConfig:
     def __post_init__(self) -> None:
         if self.draft is not None and self.k < 1:
             raise ByblockError("a vLLM drafter needs num_speculative_tokens >= 1")
+        if self.kv_cache_gib < 1:
+            raise ByblockError("a vLLM peer's KV cache needs >= 1 GiB (--vllm-kv-cache-gib)")
 
 
 @dataclass(frozen=True)
