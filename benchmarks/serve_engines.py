@@ -24,7 +24,7 @@ import httpx
 
 from byblock.bench.datasets import load_dev, load_humaneval
 from byblock.bench.hardware import describe_machine
-from byblock.bench.load import LoadConfig, run_level
+from byblock.bench.load import LoadConfig, describe_prompts, prompt_texts, run_level
 from byblock.bench.report import replace_section
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,8 +77,8 @@ def main() -> int:
     args = p.parse_args()
     drafters = [d for d in args.drafters.split(",") if d]
     levels = [int(c) for c in args.concurrency.split(",")]
-    code = args.dataset == "humaneval"
-    prompts = tuple(x.text for x in (load_humaneval(args.limit) if code else load_dev(args.limit)))
+    rows = load_humaneval(args.limit) if args.dataset == "humaneval" else load_dev(args.limit)
+    prompts, completions = prompt_texts(rows)
     servers = {engine: start(engine, drafters, args.serve_args) for engine in ("fifo", "batched")}
     rows = []
     try:
@@ -94,7 +94,7 @@ def main() -> int:
                         concurrency=(c,),
                         requests=max(8, c * args.requests_per_client),
                         max_tokens=args.max_tokens,
-                        completions=code,
+                        completions=completions,
                     )
                     res = asyncio.run(run_level(cfg, d, c))
                     j = res.to_json() | {"engine": engine}
@@ -130,10 +130,10 @@ def main() -> int:
     command = "python benchmarks/serve_engines.py " + shlex.join(sys.argv[1:])
     (out / "load.json").write_text(json.dumps({"command": command, "levels": rows}, indent=1))
     if args.update_results:
-        kind = "HumanEval prompts as raw completions" if code else "dev prompts as chat requests"
         body = (
             f"Measured {datetime.date.today().isoformat()} on {describe_machine()}: `{command}`; model `{model}`, "
-            f"{args.max_tokens} max tokens, greedy, {len(prompts)} {kind}, closed-loop streamed clients; "
+            f"{args.max_tokens} max tokens, greedy, {describe_prompts(len(prompts), args.dataset, completions)}, "
+            "closed-loop streamed clients; "
             "TTFT and latency include queueing.\n\n" + table
         )
         replace_section(Path(args.update_results), args.section, body)

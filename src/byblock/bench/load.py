@@ -2,8 +2,8 @@
 
 `concurrency` clients each send one streamed request at a time — a chat completion, or a raw completion for
 prompts like HumanEval's (`completions`) — until `requests` have been sent or `duration_s` has passed (bounded
-both ways). Time to first token is measured by the client: from sending
-the request to the first content chunk, queueing in the server included — what a user waits.
+both ways). Time to first token is measured by the client: from sending the request to the first content chunk,
+queueing in the server included — what a user waits.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
+
+from byblock.bench.datasets import Prompt
+from byblock.errors import ByblockError
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,22 @@ class LoadConfig:
     temperature: float = 0.0
     timeout_s: float = 600.0
     completions: bool = False  # raw prompts to /v1/completions (code completion), else chat to /v1/chat/completions
+
+
+def prompt_texts(rows: list[Prompt]) -> tuple[tuple[str, ...], bool]:
+    """The prompts' texts, and whether they go to /v1/completions (raw rows, `chat` false: HumanEval's) rather
+    than /v1/chat/completions. One kind per run: an empty or mixed set is a one-line error."""
+    if not rows:
+        raise ByblockError("no prompts to send")
+    if len({p.chat for p in rows}) > 1:
+        raise ByblockError("the prompts mix chat and raw completion rows; loadgen sends one kind per run")
+    return tuple(p.text for p in rows), not rows[0].chat
+
+
+def describe_prompts(count: int, dataset: str, completions: bool) -> str:
+    """What a run sent, for its RESULTS.md line (e.g. '32 HumanEval prompts as raw completions')."""
+    what = "HumanEval" if dataset == "humaneval" else "dev"
+    return f"{count} {what} prompts as {'raw completions' if completions else 'chat requests'}"
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     from byblock.bench.datasets import load_dev, load_humaneval
-    from byblock.bench.load import LoadConfig, markdown_table, run_load
+    from byblock.bench.load import LoadConfig, describe_prompts, markdown_table, prompt_texts, run_load
     from byblock.bench.report import replace_section
 
     if args.requests < 1 or args.max_tokens < 1 or args.duration <= 0:
@@ -72,11 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dataset == "humaneval" and args.dataset_path:
         raise ByblockError("--dataset humaneval takes no --dataset-path")
     rows = load_humaneval(args.limit) if args.dataset == "humaneval" else load_dev(args.limit, args.dataset_path)
-    if not rows:
-        raise ByblockError("no prompts to send")
-    if len({p.chat for p in rows}) > 1:
-        raise ByblockError("the prompts mix chat and raw completion rows; loadgen sends one kind per run")
-    prompts = tuple(p.text for p in rows)
+    prompts, completions = prompt_texts(rows)
     try:
         models = httpx.get(f"{args.url}/v1/models", timeout=10).json()["data"]
     except (httpx.HTTPError, ValueError, KeyError) as e:
@@ -99,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         duration_s=args.duration,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
-        completions=not rows[0].chat,
+        completions=completions,
     )
 
     def progress(res) -> None:
@@ -124,14 +120,8 @@ def run(args: argparse.Namespace) -> int:
         when = datetime.date.today().isoformat()
         body = (
             f"Measured {when}, `{command}` against `{cfg.url}` (model `{model}`), {cfg.max_tokens} max tokens, "
-            f"temperature {cfg.temperature}, {len(prompts)} {_kind(args.dataset, cfg.completions)}; TTFT includes "
-            f"queueing.\n\n{table}"
+            f"temperature {cfg.temperature}, {describe_prompts(len(prompts), args.dataset, completions)}; TTFT "
+            f"includes queueing.\n\n{table}"
         )
         replace_section(Path(args.update_results), args.section, body)
     return 0
-
-
-def _kind(dataset: str, completions: bool) -> str:
-    """What the prompts were, for the results line."""
-    what = "HumanEval" if dataset == "humaneval" else "dev"
-    return f"{what} prompts as {'raw completions' if completions else 'chat requests'}"
