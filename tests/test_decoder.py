@@ -1,5 +1,6 @@
-"""byblock's own decoder forward (models/decoder.py) against transformers' modules: bitwise the same logits,
-hidden states and KV caches for prefills, plain steps, verify chains, trees and packed batches."""
+"""byblock's own decoder forward (models/decoder.py) against transformers' modules: with exact ops bitwise the
+same logits, hidden states and KV caches for prefills, plain steps, verify chains, trees and packed batches; with
+the default row kernel the same to fp32 rounding, and row-invariant."""
 
 from __future__ import annotations
 
@@ -8,23 +9,24 @@ import torch
 from tiny import make_target
 
 from byblock.models.adapter import SegmentInput, TargetModel
-from byblock.models.decoder import DecoderForward
+from byblock.models.decoder import DecoderForward, DecoderOps
 
 VARIANTS = ["llama-packed", "qwen3-packed", "llama-int4", "qwen3-int8", "llama-library"]
 
 
-def pair(variant: str) -> tuple[TargetModel, TargetModel]:
-    """(own forward, transformers' modules) over one model."""
+def pair(variant: str, exact: bool = True) -> tuple[TargetModel, TargetModel]:
+    """(own forward, transformers' modules) over one model; exact: the decoder's torch ops (bitwise), else its
+    default row kernel."""
     arch, _, linears = variant.partition("-")
     weights = linears if linears.startswith("int") else None
-    ours = make_target(arch, packed=linears == "packed", weights=weights)
+    base = make_target(arch, packed=linears == "packed", weights=weights)
     if linears == "library":  # library fp32 linears, byblock's attention kernel
         from byblock.kernels.gqa_sdpa import enable_gqa_sdpa
 
-        enable_gqa_sdpa(ours.hf)
-        ours = TargetModel(ours.hf, ours.tokenizer, name=ours.name)
+        enable_gqa_sdpa(base.hf)
+    ours = TargetModel(base.hf, base.tokenizer, name=base.name, decoder_ops=DecoderOps(exact=exact))
     assert ours.decoder is not None
-    return ours, TargetModel(ours.hf, ours.tokenizer, name=ours.name, own_forward=False)
+    return ours, TargetModel(base.hf, base.tokenizer, name=base.name, own_forward=False)
 
 
 def same_caches(a, b) -> None:
@@ -74,6 +76,31 @@ def test_own_packed_forward_is_bitwise_transformers(variant):
     assert torch.equal(a.logits, b.logits) and torch.equal(a.final, b.final) and torch.equal(a.hidden, b.hidden)
     for ca, cb in zip(caches[ours], caches[ref], strict=True):
         same_caches(ca, cb)
+
+
+@pytest.mark.parametrize("variant", ["llama-int4", "qwen3-packed"])
+@torch.inference_mode()
+def test_row_kernel_forward_is_transformers_to_fp32_rounding_and_row_invariant(variant):
+    """The default decoder (norms and rotations in kernels/row_ops.py) stays within fp32 rounding of transformers'
+    modules, and a packed forward gives each segment bitwise what it gets alone (what losslessness rests on)."""
+    ours, ref = pair(variant, exact=False)
+    assert ours.decoder.row_ops is not None
+    ca, cb = ours.new_cache(), ref.new_cache()
+    for ids in ([[5, 17, 33, 9, 2, 40, 41]], [[7]], [[8, 9, 10, 11]]):
+        a = ours.forward(torch.tensor(ids), ca, hidden_layers=(0, 1))
+        b = ref.forward(torch.tensor(ids), cb, hidden_layers=(0, 1))
+        assert torch.allclose(a.logits, b.logits, rtol=1e-4, atol=1e-4)
+        assert torch.allclose(a.hidden, b.hidden, rtol=1e-4, atol=1e-4)
+    alone = []
+    for ids in ([1, 2, 3, 4], [8, 9]):
+        c = ours.new_cache()
+        ours.forward(torch.tensor([[5, 6, 7]]), c)
+        alone.append(ours.forward(torch.tensor([ids]), c).logits[0])
+    c0, c1 = ours.new_cache(), ours.new_cache()
+    ours.forward(torch.tensor([[5, 6, 7]]), c0)
+    ours.forward(torch.tensor([[5, 6, 7]]), c1)
+    packed = ours.forward_packed([SegmentInput(c0, [1, 2, 3, 4]), SegmentInput(c1, [8, 9])], list(range(6)))
+    assert torch.equal(packed.logits, torch.cat(alone))
 
 
 def test_unsupported_models_keep_transformers_modules():

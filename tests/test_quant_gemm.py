@@ -170,6 +170,66 @@ def test_q4_k_blocks_decode_to_the_gguf_dequantizer_bitwise():
     assert torch.equal(QuantWeight.from_values(bits, values, scale, minv).dequantize(), ref)
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+def test_gguf_scales_are_fp16_where_the_file_holds_them(kind):
+    """Q4_0 / Q4_1 / Q8_0 keep the file's fp16 d and m as fp16 (2 bytes a group less per output than fp32, the
+    bytes llama.cpp streams); Q4_K's scales are products d * sc, not fp16 values, and stay fp32."""
+    rng = np.random.default_rng(5)
+    if kind == "Q4_K":
+        raw = rng.integers(0, 256, size=(16, 2 * 144), dtype=np.uint8)
+        halves = raw.reshape(-1, 144)[:, :4].copy().view(np.float16)
+        halves[:] = rng.uniform(0.001, 0.05, size=halves.shape).astype(np.float16)
+        raw.reshape(-1, 144)[:, :4] = halves.view(np.uint8)
+        n, k = 16, 512
+    else:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize as gguf_quantize
+
+        n, k = 48, 96
+        raw = gguf_quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType[kind])
+    qw = QuantWeight.from_values(*decode_blocks(kind, raw, n, k))
+    want = torch.float32 if kind == "Q4_K" else torch.float16
+    assert qw.scale.dtype == want and (qw.minv is None or qw.minv.dtype == want)
+    if kind == "Q4_1":
+        assert qw.nbytes() == -(-n // 16) * 16 * (k // 32) * 20  # 16 code bytes + fp16 d and m per group
+
+
+@pytest.mark.parametrize("kind", KERNELS)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fp16_and_fp32_scales_of_the_same_values_give_the_same_bits(kind, bits):
+    """The kernels convert fp16 scales exactly in registers: the compact layout and the fp32 one of the same
+    values give bitwise the same outputs at every row count (so losslessness carries over unchanged)."""
+    kernel = kernel_or_skip(kind)
+    torch.manual_seed(6)
+    qw = quantize(torch.randn(72, 160), bits)
+    assert qw.scale.dtype == torch.float16
+    wide = QuantWeight(bits, qw.q, qw.scale.float(), None if qw.minv is None else qw.minv.float(), 72)
+    assert wide.nbytes() > qw.nbytes()
+    for m in (1, 3, 13, 40):
+        x = torch.randn(m, 160)
+        assert torch.equal(kernel.linear(x, qw, None), kernel.linear(x, wide, None))
+    assert torch.equal(QuantLinear(qw, None, kernel).weight, QuantLinear(wide, None, kernel).weight)
+
+
+def test_the_quantizer_keeps_fp32_scales_where_fp16_would_lose_them():
+    """Round-to-nearest rounds scales to fp16 (as llama.cpp stores them) only where every one is a normal fp16
+    number: a group of huge or of tiny weights keeps fp32 scales, never an overflow or a subnormal's lost bits."""
+    torch.manual_seed(7)
+    w = torch.randn(16, 64)
+    assert quantize(w, 4).scale.dtype == torch.float16
+    for bits in (4, 8):
+        for factor in (1e7, 1e-7):  # scales past fp16's range / below its smallest normal
+            odd = w.clone()
+            odd[3, :32] *= factor
+            qw = quantize(odd, bits)
+            assert qw.scale.dtype == torch.float32
+            err = (qw.dequantize() - odd).abs().reshape(16, -1, 32)
+            assert (err <= qw.values()[1][..., None] * 0.5001 + 1e-7 * factor).all()
+    with pytest.raises(ValueError, match="both fp16 or both fp32"):
+        qw = quantize(w, 4)
+        QuantWeight(4, qw.q, qw.scale, qw.minv.float(), 16)
+
+
 @pytest.mark.real_model
 def test_real_gguf_keeps_every_block_exactly():
     """The built-in SmolLM2 GGUF: every linear on its Q4_1 / Q8_0 blocks, bitwise the fp32 checkpoint."""

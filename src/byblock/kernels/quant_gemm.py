@@ -2,11 +2,12 @@
 
 A decoding step on a CPU streams every weight once, so bytes per weight set the speed: fp32 is 4 bytes, the
 built-in SmolLM2 GGUF 0.6 (Q4_1) and its embedding 1.06 (Q8_0). `csrc/quant_gemm.cpp` keeps groups of 32
-inputs per output in one of two layouts (int4: nibbles + an fp32 scale and min per group; int8: bytes + an fp32
-scale; the values are bitwise the GGUF de-quantizer's) and sums each group factored, s·Σ x q + m·Σ x (the order
-llama.cpp uses), in fp32 against fp32 activations: equal to the de-quantized weight's product to fp32 tolerance.
-Like the packed fp32 GEMM it is row-invariant: each output is one fixed sequence of FMAs whatever the number of
-rows, so speculative decoding stays bitwise lossless on it.
+inputs per output in one of two layouts (int4: nibbles + a scale and min per group; int8: bytes + a scale; the
+values are bitwise the GGUF de-quantizer's; the scales fp16 where they are fp16 values, as a GGUF's Q4_0 / Q4_1 /
+Q8_0 hold them, which streams llama.cpp's bytes: Q4_1 20 bytes a group, not the 24 of fp32 scales) and sums
+each group factored, s·Σ x q + m·Σ x (the order llama.cpp uses), in fp32 against fp32 activations: equal to
+the de-quantized weight's product to fp32 tolerance. Like the packed fp32 GEMM it is row-invariant: each output
+is one fixed sequence of FMAs whatever the number of rows, so speculative decoding stays bitwise lossless on it.
 
 Sources of the quantized blocks: a GGUF's own Q4_0 / Q4_1 / Q4_K / Q8_0 tensors (models/gguf_weights.py, exact)
 or byblock's round-to-nearest quantizer over float weights (`quantize`, for `--weights int8|int4` from a float
@@ -27,12 +28,13 @@ from torch import nn
 from byblock.kernels.build import AVX2_FLAGS, load_library
 from byblock.kernels.cpu_features import cpu_flags
 
+SCALE_DTYPES = frozenset({torch.float16, torch.float32})
 GROUP = 32  # inputs per quantization group (the GGUF block size of Q4_0 / Q4_1 / Q8_0)
 PANEL = 16  # outputs per panel (csrc/quant_gemm.cpp)
 # De-quantize as multiply-then-add, exactly as the reference does (no FMA contraction).
 ISA_FLAGS = {
-    "avx2": (*AVX2_FLAGS, "-ffp-contract=off"),
-    "avx512": (*AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-ffp-contract=off"),
+    "avx2": (*AVX2_FLAGS, "-mf16c", "-ffp-contract=off"),
+    "avx512": (*AVX2_FLAGS, "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-ffp-contract=off"),
 }
 AVX512_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})
 # How the activations meet the weights: "int8" quantizes each row per group of 32 and sums in integers
@@ -53,9 +55,10 @@ class QuantGemm:
         self.isa = isa
         self.activations = activations
         vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        library.byblock_int4_linear.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, vp, i32]
+        # The last argument: 1 where scale / minv are fp16 (QuantWeight's compact scales), 0 for fp32.
+        library.byblock_int4_linear.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, vp, i32, i32]
         library.byblock_int4_linear.restype = None
-        library.byblock_int8_linear.argtypes = [vp, i64, i64, vp, vp, i64, vp, vp, i32]
+        library.byblock_int8_linear.argtypes = [vp, i64, i64, vp, vp, i64, vp, vp, i32, i32]
         library.byblock_int8_linear.restype = None
         assert library.byblock_quant_group() == GROUP and library.byblock_quant_panel() == PANEL
 
@@ -82,15 +85,16 @@ class QuantGemm:
         y = torch.empty(rows, out_features, dtype=torch.float32, device=x.device)
         if rows:
             b = None if bias is None else bias.data_ptr()
-            threads = torch.get_num_threads()
+            threads, half = torch.get_num_threads(), int(scale.dtype == torch.float16)
             if bits == 4:
                 self._lib.byblock_int4_linear(
                     x2.data_ptr(), rows, k, q.data_ptr(), scale.data_ptr(), minv.data_ptr(), out_features, b,
-                    y.data_ptr(), threads,
+                    y.data_ptr(), threads, half,
                 )  # fmt: skip
             else:
                 self._lib.byblock_int8_linear(
-                    x2.data_ptr(), rows, k, q.data_ptr(), scale.data_ptr(), out_features, b, y.data_ptr(), threads
+                    x2.data_ptr(), rows, k, q.data_ptr(), scale.data_ptr(), out_features, b, y.data_ptr(), threads,
+                    half,
                 )  # fmt: skip
         return y.view(*x.shape[:-1], out_features)
 
@@ -104,7 +108,7 @@ class QuantGemm:
         tensors = (q, scale, w.minv) if w.bits == 4 else (q, scale)  # the kernel's weight arguments
         pointers = tuple(t.data_ptr() for t in tensors)
         b = None if bias is None else bias.data_ptr()
-        threads = torch.get_num_threads
+        threads, half = torch.get_num_threads, int(scale.dtype == torch.float16)
 
         def call(x: torch.Tensor) -> torch.Tensor:
             # The module's path where it differs: autograd, other dtypes, or weights replaced since binding (codes
@@ -115,7 +119,7 @@ class QuantGemm:
             x2 = x.reshape(rows, k).contiguous()
             y = torch.empty(rows, n, dtype=torch.float32, device=x.device)
             if rows:
-                fn(x2.data_ptr(), rows, k, *pointers, n, b, y.data_ptr(), threads())
+                fn(x2.data_ptr(), rows, k, *pointers, n, b, y.data_ptr(), threads(), half)
             return y.view(*x.shape[:-1], n)
 
         call.module = w  # the linear it computes (its tensors: what the pointers point into)
@@ -179,7 +183,9 @@ class QuantWeight:
     bits 4: q uint8 [P, K/32, 4, 64]: chunk c, byte 4j + b: input 4c + b in the low nibble, 16 + 4c + b in the
             high one; w = scale * q + minv.
     bits 8: q uint8 [P, K/32, 8, 64]: chunk t, byte 4j + b: input 4t + b as int8; w = scale * q.
-    scale, minv: fp32 [P, K/32, 16] (padded outputs have scale 0). Build one with `from_values`."""
+    scale, minv: [P, K/32, 16] (padded outputs have scale 0), both fp16 where every value is exactly one (a GGUF's
+            own Q4_0 / Q4_1 / Q8_0 scales, the round-to-nearest quantizer's), else fp32 (Q4_K's products): 2 bytes
+            a group less per output, the same values. Build one with `from_values`."""
 
     bits: int
     q: torch.Tensor
@@ -194,8 +200,9 @@ class QuantWeight:
         want = (p, g, 4 if self.bits == 4 else 8, 4 * PANEL)
         if w != PANEL or tuple(self.q.shape) != want or self.q.dtype != torch.uint8:
             raise ValueError(f"q must be uint8 {want}, got {self.q.dtype} {tuple(self.q.shape)}")
-        if (self.minv is None) != (self.bits == 8) or self.scale.dtype != torch.float32:
-            raise ValueError("int4 needs fp32 scale and minv, int8 an fp32 scale only")
+        dtypes = {self.scale.dtype} | ({self.minv.dtype} if self.minv is not None else set())
+        if (self.minv is None) != (self.bits == 8) or len(dtypes) != 1 or not dtypes <= SCALE_DTYPES:
+            raise ValueError("int4 needs a scale and a minv, int8 a scale only, both fp16 or both fp32")
         if not (p - 1) * PANEL < self.out_features <= p * PANEL:
             raise ValueError(f"{p} panels cannot hold {self.out_features} outputs")
 
@@ -216,7 +223,8 @@ class QuantWeight:
         def panels(t: torch.Tensor) -> torch.Tensor:  # [N, ...] -> [P, 16, ...], padded with zeros
             return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]).reshape(p, PANEL, *t.shape[1:])
 
-        per_group = lambda t: panels(t.float()).permute(0, 2, 1).contiguous()  # noqa: E731 [P, G, 16]
+        dtype = compact_dtype(scale, minv)
+        per_group = lambda t: panels(t.to(dtype)).permute(0, 2, 1).contiguous()  # noqa: E731 [P, G, 16]
         if bits == 4:
             v = panels(values.to(torch.uint8)).reshape(p, PANEL, g, 2, 4, 4)  # [P, j, G, nibble, c, b]
             q = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [P, G, c, j, b]
@@ -235,7 +243,7 @@ class QuantWeight:
             v = v.permute(0, 4, 1, 2, 3, 5).reshape(p * PANEL, g * GROUP)
         else:
             v = self.q.view(torch.int8).reshape(p, g, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, -1)
-        per_output = lambda t: t.permute(0, 2, 1).reshape(p * PANEL, g)[:n].contiguous()  # noqa: E731
+        per_output = lambda t: t.float().permute(0, 2, 1).reshape(p * PANEL, g)[:n].contiguous()  # noqa: E731
         return v[:n], per_output(self.scale), None if self.minv is None else per_output(self.minv)
 
     def dequantize(self) -> torch.Tensor:
@@ -256,9 +264,9 @@ class QuantWeight:
             v = torch.stack([chunks & 0x0F, chunks >> 4], dim=2)  # [n, G, nibble, c, b]
         else:
             v = self.q.view(torch.int8).reshape(*self.q.shape[:2], 8, PANEL, 4)[panel, :, :, j, :]  # [n, G, t, b]
-        groups = v.float().reshape(len(ids), g, GROUP) * self.scale[panel, :, j][..., None]
+        groups = v.float().reshape(len(ids), g, GROUP) * self.scale[panel, :, j].float()[..., None]
         if self.minv is not None:
-            groups = groups + self.minv[panel, :, j][..., None]
+            groups = groups + self.minv[panel, :, j].float()[..., None]
         return groups.reshape(len(ids), g * GROUP)
 
     def take_rows(self, rows: torch.Tensor) -> QuantWeight:
@@ -271,20 +279,39 @@ class QuantWeight:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv) if t is not None)
 
 
+def compact_dtype(scale: torch.Tensor, minv: torch.Tensor | None) -> torch.dtype:
+    """fp16 where every scale (and min) is exactly an fp16 value, else fp32: the layout's scales in the fewest
+    bytes that hold them unchanged."""
+    for t in (scale, minv):
+        if t is not None and not torch.equal(t.float().to(torch.float16).float(), t.float()):
+            return torch.float32
+    return torch.float16
+
+
+def _fp16_rounded(t: torch.Tensor) -> torch.Tensor:
+    """t rounded to fp16 values (kept fp32) where all of them are normal fp16 numbers or 0 (relative error at most
+    2^-11); else t unchanged (the layout then keeps fp32)."""
+    half = t.to(torch.float16)
+    mag = half.abs()
+    fits = bool(torch.isfinite(half).all()) and bool(((mag >= torch.finfo(torch.float16).tiny) | (t == 0)).all())
+    return half.float() if fits else t
+
+
 def quantize(weight: torch.Tensor, bits: int) -> QuantWeight:
     """Round-to-nearest grouped quantization of a float [N, K] weight: int8 symmetric (absmax / 127, as Q8_0),
-    int4 asymmetric (min and (max - min) / 15 per group, as Q4_1)."""
+    int4 asymmetric (min and (max - min) / 15 per group, as Q4_1). Scales and mins are rounded to fp16 first, as
+    llama.cpp stores them (fewer bytes per group), the codes computed against the rounded values."""
     n = weight.shape[0]
     w = weight.detach().float().reshape(n, -1, GROUP)  # [N, G, 32]
     if bits == 8:
-        scale = w.abs().amax(-1) / 127
+        scale = _fp16_rounded(w.abs().amax(-1) / 127)
         inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
         q = torch.round(w * inv[..., None]).clamp(-128, 127).to(torch.int8)
         return QuantWeight.from_values(8, q.reshape(n, -1), scale, None)
     if bits != 4:
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     lo, hi = w.amin(-1), w.amax(-1)
-    scale = (hi - lo) / 15
+    scale, lo = _fp16_rounded((hi - lo) / 15), _fp16_rounded(lo)
     inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     q = torch.round((w - lo[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
     return QuantWeight.from_values(4, q.reshape(n, -1), scale, lo)

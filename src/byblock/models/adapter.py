@@ -21,7 +21,7 @@ from byblock.kernels.ragged import BATCH_KWARG, CACHE_KWARG, PROMPT_KWARG, Packe
 from byblock.kernels.row_attention import load_row_attention
 from byblock.kv.h2o import H2OState, tree_parents
 from byblock.kv.kv_cache import KVCache, StreamingWindow
-from byblock.models.decoder import DecoderForward
+from byblock.models.decoder import DecoderForward, DecoderOps
 from byblock.models.masks import tree_attention_mask
 
 
@@ -73,9 +73,12 @@ class TargetModel:
         name: str = "model",
         weights: str | None = None,
         own_forward: bool = True,
+        decoder_ops: DecoderOps | None = None,
     ) -> None:
         """own_forward: run byblock's decoder forward (models/decoder.py) where it reproduces the model (llama /
-        qwen3 in fp32 on byblock's attention); False keeps transformers' modules for every forward."""
+        qwen3 in fp32 on byblock's attention); False keeps transformers' modules for every forward. decoder_ops:
+        how that forward runs its norms and rotations (default: the row kernel on the CPU; exact=True: bitwise
+        transformers')."""
         self.hf = hf_model
         self.tokenizer = tokenizer
         self.name = name
@@ -109,7 +112,8 @@ class TargetModel:
         # the first forward that asks checks it on its own output (a head that scales or soft-caps logits: no).
         base = getattr(hf_model, "base_model", None)
         self._defers_logits: bool | None = None if base is not None and base is not hf_model else False
-        self.decoder = DecoderForward(hf_model) if own_forward and DecoderForward.supports(hf_model) else None
+        supported = own_forward and DecoderForward.supports(hf_model)
+        self.decoder = DecoderForward(hf_model, decoder_ops) if supported else None
         if self.decoder is not None:
             self._defers_logits = True  # llama / qwen3 logits are the plain head of the normed final states
 

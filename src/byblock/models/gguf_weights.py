@@ -145,7 +145,7 @@ def quantize_from_gguf(model: nn.Module, gguf_path: Path, kernel: QuantGemm | No
     return report
 
 
-CACHE_NAME = "gguf-linears-v3.safetensors"  # bump the version when the kernel layout or the grouping changes
+CACHE_NAME = "gguf-linears-v4.safetensors"  # bump the version when the kernel layout or the grouping changes
 
 
 def _install(model: nn.Module, name: str, qweight: QuantWeight, kernel: QuantGemm | None) -> None:

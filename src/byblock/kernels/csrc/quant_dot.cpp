@@ -50,6 +50,7 @@ inline VI iadd(VI a, VI b) { return _mm512_add_epi32(a, b); }
 inline VI shl7(VI a) { return _mm512_slli_epi32(a, 7); }
 inline VF fzero() { return _mm512_setzero_ps(); }
 inline VF fload(const float* p) { return _mm512_loadu_ps(p); }
+inline VF fload(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline VF fbcast(const float* p) { return _mm512_set1_ps(*p); }
 inline VF tofloat(VI a) { return _mm512_cvtepi32_ps(a); }
 inline VF fmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
@@ -86,6 +87,7 @@ inline VI iadd(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI shl7(VI a) { return _mm256_slli_epi32(a, 7); }
 inline VF fzero() { return _mm256_setzero_ps(); }
 inline VF fload(const float* p) { return _mm256_loadu_ps(p); }
+inline VF fload(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline VF fbcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline VF tofloat(VI a) { return _mm256_cvtepi32_ps(a); }
 inline VF fmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
@@ -102,7 +104,14 @@ inline void fstore(float* y, const VF* t, const float* bias, int n) {
 #endif
 constexpr int LANES = W / HALVES;
 constexpr int CHUNK = 64 / HALVES;  // bytes of a chunk one register holds
-constexpr int64_t ROW_BLOCK = 128;  // rows per block of a many-rows call (their codes stay in L2)
+constexpr int64_t ROW_BLOCK = 128;
+#ifndef BYBLOCK_PREFETCH
+#define BYBLOCK_PREFETCH 16
+#endif
+// Groups ahead whose weight and scale lines a tile asks for: a tile reads NP panels (and their scales) as
+// separate streams, more than the hardware prefetchers follow, so a decode step stalled on memory at a third
+// of the bandwidth a plain read gets (dev/LOG.md, session 39). Prefetches never fault, past the end either.
+constexpr int64_t PREFETCH = BYBLOCK_PREFETCH;  // rows per block of a many-rows call (their codes stay in L2)
 
 // One group of one panel into acc[r][h] (int32, exact). `x` points at the group's 32 activation bytes of row 0.
 struct Int4 {
@@ -145,9 +154,9 @@ struct Int8 {
 };
 
 // MR rows x NP panels over all K; xq: MR rows of K activation bytes; dx, xs: per row and group (G of them).
-template <class Q, int MR, int NP>
+template <class Q, class S, int MR, int NP>
 void tile(const uint8_t* __restrict xq, int64_t K, const float* __restrict dx, const float* __restrict xs,
-          const uint8_t* __restrict q, const float* __restrict scale, const float* __restrict minv,
+          const uint8_t* __restrict q, const S* __restrict scale, const S* __restrict minv,
           int64_t panel_stride, float* y, int64_t ldy, const float* bias, int64_t n_left) {
   const int64_t G = K / GROUP;
   VF tot[MR][NP][HALVES];
@@ -157,6 +166,14 @@ void tile(const uint8_t* __restrict xq, int64_t K, const float* __restrict dx, c
   for (int64_t g = 0; g < G; ++g) {
 #pragma GCC unroll 4
     for (int p = 0; p < NP; ++p) {
+      if constexpr (PREFETCH > 0) {  // the panel's bytes PREFETCH groups ahead (see PREFETCH)
+        const char* ahead = reinterpret_cast<const char*>(q + p * panel_stride + (g + PREFETCH) * Q::GROUP_BYTES);
+#pragma GCC unroll 8
+        for (int l = 0; l < Q::GROUP_BYTES; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(scale + p * G * W + (g + PREFETCH) * W), _MM_HINT_T0);
+        if constexpr (Q::HAS_MIN)
+          _mm_prefetch(reinterpret_cast<const char*>(minv + p * G * W + (g + PREFETCH) * W), _MM_HINT_T0);
+      }
       VI acc[MR][HALVES], wsum[HALVES];
       for (int r = 0; r < MR; ++r)
         for (int h = 0; h < HALVES; ++h) acc[r][h] = izero();
@@ -184,14 +201,14 @@ void tile(const uint8_t* __restrict xq, int64_t K, const float* __restrict dx, c
     }
 }
 
-template <class Q, int MR>
-void rows_pass(const uint8_t* xq, int64_t K, const float* dx, const float* xs, const uint8_t* q, const float* scale,
-               const float* minv, int64_t stride, float* y, int64_t ldy, const float* bias, int64_t n_left,
+template <class Q, class S, int MR>
+void rows_pass(const uint8_t* xq, int64_t K, const float* dx, const float* xs, const uint8_t* q, const S* scale,
+               const S* minv, int64_t stride, float* y, int64_t ldy, const float* bias, int64_t n_left,
                int64_t rows) {
   if constexpr (MR > 1) {
-    if (rows < MR) return rows_pass<Q, MR - 1>(xq, K, dx, xs, q, scale, minv, stride, y, ldy, bias, n_left, rows);
+    if (rows < MR) return rows_pass<Q, S, MR - 1>(xq, K, dx, xs, q, scale, minv, stride, y, ldy, bias, n_left, rows);
   }
-  tile<Q, MR, 1>(xq, K, dx, xs, q, scale, minv, stride, y, ldy, bias, n_left);
+  tile<Q, S, MR, 1>(xq, K, dx, xs, q, scale, minv, stride, y, ldy, bias, n_left);
 }
 
 // Rows [r0, r1) of x as int8 codes (or codes + 128), per group d and d * sum(q). The fp32 operations of
@@ -237,8 +254,8 @@ void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K, bool offse
     }
 }
 
-template <class Q>
-void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, const float* minv,
+template <class Q, class S>
+void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const S* scale, const S* minv,
             int64_t N, const float* bias, float* y, int nthreads) {
   const int64_t G = K / GROUP;
   const int64_t P = (N + W - 1) / W;
@@ -259,12 +276,12 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t p = t * NP1;
       if (p + NP1 <= P)
-        tile<Q, 1, NP1>(xq, K, dx.data(), xs.data(), q + p * stride, scale + p * G * W,
+        tile<Q, S, 1, NP1>(xq, K, dx.data(), xs.data(), q + p * stride, scale + p * G * W,
                         minv ? minv + p * G * W : nullptr, stride, y + p * W, N, bias ? bias + p * W : nullptr,
                         N - p * W);
       else
         for (int64_t e = p; e < P; ++e)
-          tile<Q, 1, 1>(xq, K, dx.data(), xs.data(), q + e * stride, scale + e * G * W,
+          tile<Q, S, 1, 1>(xq, K, dx.data(), xs.data(), q + e * stride, scale + e * G * W,
                         minv ? minv + e * G * W : nullptr, stride, y + e * W, N, bias ? bias + e * W : nullptr,
                         N - e * W);
     }
@@ -280,7 +297,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
       int64_t r = r0;
       for (int64_t pass = 0; pass < passes; ++pass) {
         const int64_t rows = (r0 + rb - r + passes - pass - 1) / (passes - pass);
-        rows_pass<Q, MAX_ROWS>(xq + r * K, K, dx.data() + r * G, xs.data() + r * G, q + p * stride,
+        rows_pass<Q, S, MAX_ROWS>(xq + r * K, K, dx.data() + r * G, xs.data() + r * G, q + p * stride,
                                scale + p * G * W, minv ? minv + p * G * W : nullptr, stride, y + r * N + p * W, N,
                                bias ? bias + p * W : nullptr, N - p * W, rows);
         r += rows;
@@ -297,14 +314,24 @@ int byblock_quant_group() { return GROUP; }
 int byblock_quant_panel() { return W; }
 
 // Same arguments and layouts as quant_gemm.cpp's functions of the same names.
-void byblock_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
-                         const float* minv, int64_t N, const float* bias, float* y, int nthreads) {
-  linear<Int4>(x, M, K, q, scale, minv, N, bias, y, nthreads);
+void byblock_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const void* scale,
+                         const void* minv, int64_t N, const float* bias, float* y, int nthreads, int half) {
+  if (half)
+    linear<Int4>(x, M, K, q, static_cast<const uint16_t*>(scale), static_cast<const uint16_t*>(minv), N, bias, y,
+                 nthreads);
+  else
+    linear<Int4>(x, M, K, q, static_cast<const float*>(scale), static_cast<const float*>(minv), N, bias, y,
+                 nthreads);
 }
 
-void byblock_int8_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, int64_t N,
-                         const float* bias, float* y, int nthreads) {
-  linear<Int8>(x, M, K, q, scale, nullptr, N, bias, y, nthreads);
+void byblock_int8_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const void* scale, int64_t N,
+                         const float* bias, float* y, int nthreads, int half) {
+  if (half)
+    linear<Int8>(x, M, K, q, static_cast<const uint16_t*>(scale), static_cast<const uint16_t*>(nullptr), N, bias,
+                 y, nthreads);
+  else
+    linear<Int8>(x, M, K, q, static_cast<const float*>(scale), static_cast<const float*>(nullptr), N, bias, y,
+                 nthreads);
 }
 
 // The activation quantization alone (tests): codes [M, K] int8, d and d * sum(codes) [M, K/32].

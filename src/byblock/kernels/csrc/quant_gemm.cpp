@@ -9,9 +9,11 @@
 // integer dot-product instruction):
 //   int4: 4 chunks; chunk c holds inputs 4c + b in the low nibbles and 16 + 4c + b in the high ones;
 //   int8: 8 chunks; chunk t holds inputs 4t + b as int8;
-//   scale (and for int4 min) per output and group, fp32: w = scale * q + min (int4, q in 0..15), w = scale * q
+//   scale (and for int4 min) per output and group: w = scale * q + min (int4, q in 0..15), w = scale * q
 //   (int8, q in -128..127). Q4_0 (min = -8 d), Q4_1, Q4_K (scale = d * sc, min = -dmin * m) and Q8_0 map onto
-//   it with the exact values the GGUF de-quantizer gives.
+//   it with the exact values the GGUF de-quantizer gives. Scales are fp16 where every value is one (the file's
+//   own d and m for Q4_0 / Q4_1 / Q8_0: 20 bytes a group of int4 instead of 24, the bytes llama.cpp streams) and
+//   fp32 otherwise (Q4_K's products); the loads convert fp16 exactly, so both give the same bits.
 //
 // The sum is factored per group, as llama.cpp's is: sum_k x_k (s q_k + m) = s (sum_k x_k q_k) + m (sum_k x_k).
 // The inner loop is then one FMA per weight and row on the integer code converted to float; the scale, the min
@@ -42,6 +44,7 @@ inline V vzero() { return _mm512_setzero_ps(); }
 inline V vbcast(const float* p) { return _mm512_set1_ps(*p); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline V vload(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline void vstore(float* y, const V* t, const float* bias, int n) {
   V s = t[0];
@@ -63,6 +66,7 @@ inline V vzero() { return _mm256_setzero_ps(); }
 inline V vbcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline V vload(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
 inline void vstore8(float* y, V s, const float* bias, int n) {
   alignas(32) float t[8];
@@ -113,9 +117,9 @@ struct Int8 {
 
 // MR rows x NP panels over all K. Per group, acc[r][p][0] sums x q over even inputs, acc[r][p][1] over odd ones
 // (HALVES registers each); tot[r][p] takes s * (even + odd) + m * xsum at the group's end.
-template <class Q, int MR, int NP>
+template <class Q, class S, int MR, int NP>
 void tile(const float* __restrict x, int64_t K, const float* __restrict xsum, const uint8_t* __restrict q,
-          const float* __restrict scale, const float* __restrict minv, int64_t panel_stride, float* y, int64_t ldy,
+          const S* __restrict scale, const S* __restrict minv, int64_t panel_stride, float* y, int64_t ldy,
           const float* bias, int64_t n_left) {
   const int64_t G = K / GROUP;
   V tot[MR][NP][HALVES];
@@ -175,17 +179,17 @@ void tile(const float* __restrict x, int64_t K, const float* __restrict xsum, co
     }
 }
 
-template <class Q, int MR>
-void rows_pass(const float* x, int64_t K, const float* xsum, const uint8_t* q, const float* scale, const float* minv,
+template <class Q, class S, int MR>
+void rows_pass(const float* x, int64_t K, const float* xsum, const uint8_t* q, const S* scale, const S* minv,
                int64_t stride, float* y, int64_t ldy, const float* bias, int64_t n_left, int64_t rows) {
   if constexpr (MR > 1) {
-    if (rows < MR) return rows_pass<Q, MR - 1>(x, K, xsum, q, scale, minv, stride, y, ldy, bias, n_left, rows);
+    if (rows < MR) return rows_pass<Q, S, MR - 1>(x, K, xsum, q, scale, minv, stride, y, ldy, bias, n_left, rows);
   }
-  tile<Q, MR, 1>(x, K, xsum, q, scale, minv, stride, y, ldy, bias, n_left);
+  tile<Q, S, MR, 1>(x, K, xsum, q, scale, minv, stride, y, ldy, bias, n_left);
 }
 
-template <class Q>
-void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, const float* minv,
+template <class Q, class S>
+void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const S* scale, const S* minv,
             int64_t N, const float* bias, float* y, int nthreads) {
   const int64_t G = K / GROUP;
   const int64_t P = (N + W - 1) / W;
@@ -207,14 +211,14 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t p = t * NP1;
       const uint8_t* qp = q + p * stride;
-      const float* sp = scale + p * G * W;
-      const float* mp = minv ? minv + p * G * W : nullptr;
+      const S* sp = scale + p * G * W;
+      const S* mp = minv ? minv + p * G * W : nullptr;
       const float* bp = bias ? bias + p * W : nullptr;
       if (p + NP1 <= P)
-        tile<Q, 1, NP1>(x, K, xs, qp, sp, mp, stride, y + p * W, N, bp, N - p * W);
+        tile<Q, S, 1, NP1>(x, K, xs, qp, sp, mp, stride, y + p * W, N, bp, N - p * W);
       else
         for (int64_t e = p; e < P; ++e)
-          tile<Q, 1, 1>(x, K, xs, q + e * stride, scale + e * G * W, minv ? minv + e * G * W : nullptr, stride,
+          tile<Q, S, 1, 1>(x, K, xs, q + e * stride, scale + e * G * W, minv ? minv + e * G * W : nullptr, stride,
                         y + e * W, N, bias ? bias + e * W : nullptr, N - e * W);
     }
     return;
@@ -231,7 +235,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float*
       int64_t r = r0;
       for (int64_t pass = 0; pass < passes; ++pass) {
         const int64_t rows = (r0 + rb - r + passes - pass - 1) / (passes - pass);
-        rows_pass<Q, MAX_ROWS>(x + r * K, K, xs + (Q::HAS_MIN ? r * G : 0), q + p * stride, scale + p * G * W,
+        rows_pass<Q, S, MAX_ROWS>(x + r * K, K, xs + (Q::HAS_MIN ? r * G : 0), q + p * stride, scale + p * G * W,
                                minv ? minv + p * G * W : nullptr, stride, y + r * N + p * W, N,
                                bias ? bias + p * W : nullptr, N - p * W, rows);
         r += rows;
@@ -247,16 +251,27 @@ extern "C" {
 int byblock_quant_group() { return GROUP; }
 int byblock_quant_panel() { return W; }
 
-// x: [M, K] fp32 contiguous (K % 32 == 0); q: [P, K/32, 4, 64] bytes; scale, minv: [P, K/32, 16]; y: [M, N].
-void byblock_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
-                         const float* minv, int64_t N, const float* bias, float* y, int nthreads) {
-  linear<Int4>(x, M, K, q, scale, minv, N, bias, y, nthreads);
+// x: [M, K] fp32 contiguous (K % 32 == 0); q: [P, K/32, 4, 64] bytes; scale, minv: [P, K/32, 16], fp32 or, with
+// `half`, fp16 (converted exactly in registers); y: [M, N].
+void byblock_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const void* scale,
+                         const void* minv, int64_t N, const float* bias, float* y, int nthreads, int half) {
+  if (half)
+    linear<Int4>(x, M, K, q, static_cast<const uint16_t*>(scale), static_cast<const uint16_t*>(minv), N, bias, y,
+                 nthreads);
+  else
+    linear<Int4>(x, M, K, q, static_cast<const float*>(scale), static_cast<const float*>(minv), N, bias, y,
+                 nthreads);
 }
 
-// q: [P, K/32, 8, 64] int8; scale: [P, K/32, 16].
-void byblock_int8_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, int64_t N,
-                         const float* bias, float* y, int nthreads) {
-  linear<Int8>(x, M, K, q, scale, nullptr, N, bias, y, nthreads);
+// q: [P, K/32, 8, 64] int8; scale: [P, K/32, 16] (fp32, or fp16 with `half`).
+void byblock_int8_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const void* scale, int64_t N,
+                         const float* bias, float* y, int nthreads, int half) {
+  if (half)
+    linear<Int8>(x, M, K, q, static_cast<const uint16_t*>(scale), static_cast<const uint16_t*>(nullptr), N, bias,
+                 y, nthreads);
+  else
+    linear<Int8>(x, M, K, q, static_cast<const float*>(scale), static_cast<const float*>(nullptr), N, bias, y,
+                 nthreads);
 }
 
 }  // extern "C"
