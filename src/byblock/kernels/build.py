@@ -53,7 +53,9 @@ def load_library(name: str, flags: tuple[str, ...] = AVX2_FLAGS) -> ctypes.CDLL 
     source = CSRC / f"{name}.cpp"
     if not has_avx2() or not source.exists():
         return None
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    # The headers in csrc/ too: a source that includes one is rebuilt when it changes.
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{digest}.so"
     try:
         if not out.exists():

@@ -308,31 +308,9 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const S* sca
 
 }  // namespace
 
+#include "quant_abi.h"
+
 extern "C" {
-
-int byblock_quant_group() { return GROUP; }
-int byblock_quant_panel() { return W; }
-
-// Same arguments and layouts as quant_gemm.cpp's functions of the same names.
-void byblock_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const void* scale,
-                         const void* minv, int64_t N, const float* bias, float* y, int nthreads, int half) {
-  if (half)
-    linear<Int4>(x, M, K, q, static_cast<const uint16_t*>(scale), static_cast<const uint16_t*>(minv), N, bias, y,
-                 nthreads);
-  else
-    linear<Int4>(x, M, K, q, static_cast<const float*>(scale), static_cast<const float*>(minv), N, bias, y,
-                 nthreads);
-}
-
-void byblock_int8_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const void* scale, int64_t N,
-                         const float* bias, float* y, int nthreads, int half) {
-  if (half)
-    linear<Int8>(x, M, K, q, static_cast<const uint16_t*>(scale), static_cast<const uint16_t*>(nullptr), N, bias,
-                 y, nthreads);
-  else
-    linear<Int8>(x, M, K, q, static_cast<const float*>(scale), static_cast<const float*>(nullptr), N, bias, y,
-                 nthreads);
-}
 
 // The activation quantization alone (tests): codes [M, K] int8, d and d * sum(codes) [M, K/32].
 void byblock_quantize_activations(const float* x, int64_t M, int64_t K, int8_t* codes, float* d, float* dsum) {

@@ -246,32 +246,4 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const S* sca
 
 }  // namespace
 
-extern "C" {
-
-int byblock_quant_group() { return GROUP; }
-int byblock_quant_panel() { return W; }
-
-// x: [M, K] fp32 contiguous (K % 32 == 0); q: [P, K/32, 4, 64] bytes; scale, minv: [P, K/32, 16], fp32 or, with
-// `half`, fp16 (converted exactly in registers); y: [M, N].
-void byblock_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const void* scale,
-                         const void* minv, int64_t N, const float* bias, float* y, int nthreads, int half) {
-  if (half)
-    linear<Int4>(x, M, K, q, static_cast<const uint16_t*>(scale), static_cast<const uint16_t*>(minv), N, bias, y,
-                 nthreads);
-  else
-    linear<Int4>(x, M, K, q, static_cast<const float*>(scale), static_cast<const float*>(minv), N, bias, y,
-                 nthreads);
-}
-
-// q: [P, K/32, 8, 64] int8; scale: [P, K/32, 16] (fp32, or fp16 with `half`).
-void byblock_int8_linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const void* scale, int64_t N,
-                         const float* bias, float* y, int nthreads, int half) {
-  if (half)
-    linear<Int8>(x, M, K, q, static_cast<const uint16_t*>(scale), static_cast<const uint16_t*>(nullptr), N, bias,
-                 y, nthreads);
-  else
-    linear<Int8>(x, M, K, q, static_cast<const float*>(scale), static_cast<const float*>(nullptr), N, bias, y,
-                 nthreads);
-}
-
-}  // extern "C"
+#include "quant_abi.h"
