@@ -31,7 +31,9 @@ def test_loadgen_levels_and_results_section(tmp_path, capsys):
     ]
     for lv in levels:
         assert lv["requests"] == 6 and lv["errors"] == 0 and lv["completion_tokens"] == 48
-        assert 0 < lv["ttft_p50_s"] <= lv["ttft_p99_s"] <= lv["e2e_p50_s"] * 10
+        # each request's first token comes no later than its last, so the order holds for every quantile;
+        # no wall-clock bound: a first request that pays a one-time warm-up must not fail the test
+        assert 0 < lv["ttft_p50_s"] <= lv["ttft_p99_s"] and lv["ttft_p50_s"] <= lv["e2e_p50_s"]
     # 4 levels x (6 + 1 warm-up) requests reached the server
     assert 'byblock_requests_total{endpoint="chat",status="ok"} 28.0' in metrics
     text = results.read_text()
