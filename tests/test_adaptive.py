@@ -76,8 +76,8 @@ def _bare_chain_drafter() -> AdaptiveDrafter:
     """An adaptive chain over a 4-token block with prior-only statistics and a backbone that ignores verdicts."""
     d = AdaptiveDrafter.__new__(AdaptiveDrafter)
     d.block_size, d.tree = 4, False
-    d.accepted_at, d.reached = torch.ones(4), 2 * torch.ones(4)
-    d.look_accepted, d.look_reached = torch.ones(4), 2 * torch.ones(4)
+    d.accepted_at, d.reached = [1.0] * 4, [2.0] * 4
+    d.look_accepted, d.look_reached = [1.0] * 4, [2.0] * 4
     d.rho_num = d.rho_den = 1.0
     d._depth = 4
     d.dflash = type("D", (), {"observe": lambda self, v, h: None})()
@@ -87,7 +87,7 @@ def _bare_chain_drafter() -> AdaptiveDrafter:
 def test_acceptance_statistics_update():
     d = _bare_chain_drafter()
     d.observe(Verdict(path=[0, 1], tokens=[3, 4, 5]), None)  # accepted 2 of 4
-    assert d.accepted_at.tolist() == [2, 2, 1, 1] and d.reached.tolist() == [3, 3, 3, 2]
+    assert d.accepted_at == [2, 2, 1, 1] and d.reached == [3, 3, 3, 2]
 
 
 def test_acceptance_statistics_forget_old_turns():
@@ -96,10 +96,10 @@ def test_acceptance_statistics_forget_old_turns():
     d = _bare_chain_drafter()
     for _ in range(100):
         d.observe(Verdict(path=[0, 1, 2, 3], tokens=[3, 4, 5, 6, 7]), None)
-    assert float(d.accepted_at[0] / d.reached[0]) > 0.9
+    assert d.accepted_at[0] / d.reached[0] > 0.9
     for _ in range(40):
         d.observe(Verdict(path=[], tokens=[3]), None)
-    assert float(d.accepted_at[0] / d.reached[0]) < 0.25
+    assert d.accepted_at[0] / d.reached[0] < 0.25
 
 
 def test_chain_rests_when_no_depth_beats_a_plain_step(tiny_targets):
@@ -256,8 +256,8 @@ def test_resting_hybrid_cuts_the_lookup_chain_to_its_profitable_length(tiny_targ
     """Lookup acceptance β ≈ 0 and a verify row costing a plain step: a resting round is a plain step."""
     d, calls, tokens = _hybrid_on_repeat(tiny_targets["llama"])
     d.cost = CostModel({1: 100.0, 2: 200.0, 64: 6400.0})
-    d.look_accepted.fill_(1.0)
-    d.look_reached.fill_(100.0)
+    d.look_accepted = [1.0] * len(d.look_accepted)
+    d.look_reached = [100.0] * len(d.look_reached)
     d.probes[1].resting_for = 0  # not the first round (which would probe)
     d.hybrid_model_pays = lambda regime: False
     draft = d.propose(tokens, 7)
@@ -337,7 +337,7 @@ def test_adaptive_hybrid_learns_lookup_acceptance(tiny_targets):
     assert d.last_choice == draft.num_nodes  # free verification: every model node is worth adding
     d.dflash.observe = lambda verdict, hidden: None
     d.observe(Verdict(path=[0, 1], tokens=[33, 9, 7]), None)  # lookup right twice, then wrong
-    assert d.look_accepted[:3].tolist() == [2, 2, 1] and d.look_reached[:4].tolist() == [3, 3, 3, 2]
+    assert d.look_accepted[:3] == [2, 2, 1] and d.look_reached[:4] == [3, 3, 3, 2]
 
 
 def test_adaptive_flag_needs_a_block_drafter():

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from byblock.drafters.costs import COST_SIZES, CostModel, measure_verify_cost, segment_cost
+from byblock.drafters.costs import COST_SIZES, CostModel, StepCost, measure_verify_cost, segment_cost
 from byblock.drafters.ddtree import build_tree, tree_logp
 from byblock.drafters.dflash import DFlashDrafter
 from byblock.drafters.hybrid import merge_trees
@@ -118,10 +118,15 @@ class ProbeSchedule:
         self.gap = EXPLORE_EVERY - 1
 
 
-def expected_tokens(accept: torch.Tensor) -> torch.Tensor:
+def expected_tokens(accept: list[float]) -> list[float]:
     """E(d) for d = 0..len(accept): tokens a round emits with a depth-d chain whose depth-j token is accepted
-    with probability accept[j−1] given its parent was, 1 + Σ_{i ≤ d} Π_{j ≤ i} accept_j."""
-    return torch.cat([torch.ones(1, device=accept.device), 1 + accept.cumprod(0).cumsum(0)])
+    with probability accept[j−1] given its parent was, 1 + Σ_{i ≤ d} Π_{j ≤ i} accept_j (host floats: the
+    rule runs per request and round, where a few tensor ops cost more than the whole loop)."""
+    expected, run = [1.0], 1.0
+    for a in accept:
+        run *= a
+        expected.append(expected[-1] + run)
+    return expected
 
 
 @dataclass(frozen=True)
@@ -155,9 +160,10 @@ class AdaptiveDrafter:
             raise ValueError("an adaptive chain takes no lookup drafter (use tree=True)")
         self.dflash = dflash
         self.lookup = lookup
-        # Acceptance statistics are host-side bookkeeping (read every round to choose a size).
-        self.look_accepted = torch.ones(dflash.block_size, device="cpu")  # Beta(1,1) per lookup depth
-        self.look_reached = 2 * torch.ones(dflash.block_size, device="cpu")
+        # Acceptance statistics are host-side bookkeeping in Python floats (read and forgotten every round: as
+        # tensors the forgetting alone was 8 ops, ~70 µs a request and round, dev/LOG.md session 40).
+        self.look_accepted = [1.0] * dflash.block_size  # Beta(1,1) per lookup depth
+        self.look_reached = [2.0] * dflash.block_size
         self._look_len = 0
         self.tree = tree
         self.max_budget = max_budget
@@ -168,8 +174,8 @@ class AdaptiveDrafter:
                 raise ValueError("an AdaptiveDrafter needs a target to measure its costs on, or a cost model")
             cost = CostModel(measure_verify_cost(target, [k for k in COST_SIZES if k <= max_budget + 1]))
         self.cost = cost
-        self.accepted_at = torch.ones(self.block_size, device="cpu")  # Beta(1,1) prior: 1 success ...
-        self.reached = 2 * torch.ones(self.block_size, device="cpu")  # ... out of 2 trials per depth
+        self.accepted_at = [1.0] * self.block_size  # Beta(1,1) prior: 1 success ...
+        self.reached = [2.0] * self.block_size  # ... out of 2 trials per depth
         self.draft_s = 0.0  # summed over the rounds that ran the drafter
         self.drafted = 0
         self.rounds = 0
@@ -191,6 +197,7 @@ class AdaptiveDrafter:
         self.probes = [ProbeSchedule(), ProbeSchedule()]  # per regime (chain and tree: only regime 0)
         self._decision: _Decision | None = None  # made by block_request, used by the next propose
         self._load: tuple[int, float, float] = (0, 0.0, 0.0)  # other requests' (rows, tokens, seconds)
+        self._step_cost: StepCost | None = None  # batched: the engine's fitted prices of the next step
         self._model_paid = [True, True]  # hybrid, batched: per regime, whether the last drafted tree used the model
         # Batched: running mean seconds the engine spent finishing this request's rounds (verify, the LM head's
         # second pass, commit, observe), [rounds without the backbone, rounds with it] (observe_host)
@@ -211,21 +218,27 @@ class AdaptiveDrafter:
         self._round = None  # the last round of the previous request ended with it, not at this propose
         self.dflash.start(prompt_ids, target_hidden, params, generator, adjust)
 
-    def expected_chain(self) -> torch.Tensor:
-        """E(d) for d = 0..B−1: expected tokens emitted by a round with a depth-d chain."""
-        return expected_tokens(self.accepted_at / self.reached)  # α: [B−1]
+    def expected_chain(self) -> list[float]:
+        """E(d) for d = 0..B: expected tokens emitted by a round with a depth-d chain."""
+        return expected_tokens([a / r for a, r in zip(self.accepted_at, self.reached, strict=True)])
 
-    def set_batch_load(self, rows: int, tokens: float, seconds: float) -> None:
+    def set_batch_load(self, rows: int, tokens: float, seconds: float, cost: StepCost | None = None) -> None:
         """The other requests of this request's next forward (the batched engine, from its last step): their rows,
         the tokens they emit and the seconds they add beyond their rows' cost (per-request attention, drafting).
-        Sizes are then chosen for the whole forward's tokens per second (module doc)."""
+        cost: the engine's fitted prices of that step (engine/step_costs.py; it then includes `seconds`), used
+        instead of the probed cost(k) once the engine has one. Sizes are then chosen for the whole step's tokens
+        per second (module doc)."""
         self._load = (rows, tokens, seconds)
+        self._step_cost = cost
 
     def _rate(self, tokens: float, rows: int, draft_s: float) -> float:
-        """Tokens per second of the forward this round joins, if the round emits `tokens` from `rows` verify rows:
-        (others' tokens + tokens) / (others' seconds + draft + cost(others' rows + rows)); alone that is
-        tokens / (draft + cost(rows))."""
+        """Tokens per second of the step this round joins, if the round emits `tokens` from `rows` verify rows:
+        (others' tokens + tokens) / (others' seconds + draft + cost(others' rows + rows)), or with the engine's
+        fitted prices (others' tokens + tokens) / (step seconds without this round + draft + this round's rows
+        and verifying); alone that is tokens / (draft + cost(rows))."""
         other_rows, other_tokens, other_s = self._load
+        if self._step_cost is not None:
+            return (other_tokens + tokens) / (draft_s + self._step_cost.seconds(rows))
         return (other_tokens + tokens) / (other_s + draft_s + self.cost(other_rows + rows))
 
     def observe_host(self, seconds: float) -> None:
@@ -261,7 +274,9 @@ class AdaptiveDrafter:
         t0 = self._timer()
         depth = min(self.block_size, max_depth)
         draft_s = self.draft_s / self.drafted if self.drafted else 0.0
-        if self._load[0] > 0:  # batched: the engine's extra work finishing a backbone round is the drafter's too
+        if self._load[0] > 0 and self._step_cost is None:
+            # batched on probed costs: the engine's extra work finishing a backbone round is the drafter's too
+            # (the engine's fitted prices hold it in per_verify)
             draft_s += self._extra_finish_s()
         n = len(tokens)
         # Batched, the backbone drafts a short block (BATCHED_ROWS): its cost is per block row, and a batch's
@@ -342,11 +357,8 @@ class AdaptiveDrafter:
     def _lookup_expected(self, length: int) -> list[float]:
         """E(l) = 1 + Σ_{j ≤ l} Π_{i ≤ j} β_i for the lookup chain cut to l = 0..length nodes, in host floats
         (once per request and round: tensor ops cost more)."""
-        expected, run = [1.0], 1.0
-        for beta in (self.look_accepted[:length] / self.look_reached[:length]).tolist():
-            run *= beta
-            expected.append(expected[-1] + run)
-        return expected
+        seen = zip(self.look_accepted[:length], self.look_reached[:length], strict=True)
+        return expected_tokens([a / r for a, r in seen])
 
     def _lookup_rates(self, length: int) -> list[float]:
         """The forward's tokens per second with the lookup chain cut to l = 0..length nodes and no drafter."""
@@ -363,7 +375,7 @@ class AdaptiveDrafter:
     def _best_depth(self, depth: int, draft_s: float) -> tuple[int, bool]:
         """The chain depth d ≥ 1 with the highest expected tokens per second, and whether it beats a plain step."""
         e = self.expected_chain()
-        rate = {d: self._rate(float(e[d]), d + 1, draft_s) for d in range(1, depth + 1)}
+        rate = {d: self._rate(e[d], d + 1, draft_s) for d in range(1, depth + 1)}
         d_best = max(rate, key=rate.__getitem__, default=0)
         return d_best, d_best > 0 and rate[d_best] >= self._rate(1.0, 1, 0.0)
 
@@ -426,9 +438,11 @@ class AdaptiveDrafter:
 
     def _forget(self) -> None:
         """Shrink every count towards its prior (Beta(1,1) per depth; ρ = 1/1) by FORGET."""
-        for acc, seen in ((self.accepted_at, self.reached), (self.look_accepted, self.look_reached)):
-            acc.sub_(1).mul_(FORGET).add_(1)
-            seen.sub_(2).mul_(FORGET).add_(2)
+        keep = FORGET
+        self.accepted_at = [1 + keep * (v - 1) for v in self.accepted_at]
+        self.reached = [2 + keep * (v - 2) for v in self.reached]
+        self.look_accepted = [1 + keep * (v - 1) for v in self.look_accepted]
+        self.look_reached = [2 + keep * (v - 2) for v in self.look_reached]
         self.rho_num = 1 + FORGET * (self.rho_num - 1)
         self.rho_den = 1 + FORGET * (self.rho_den - 1)
 
@@ -455,13 +469,17 @@ class AdaptiveDrafter:
             while a_look < min(a, self._look_len) and verdict.path[a_look] == a_look:
                 a_look += 1
             if self._look_len:
-                self.look_reached[: min(a_look + 1, self._look_len)] += 1
-                self.look_accepted[:a_look] += 1
+                for j in range(min(a_look + 1, self._look_len)):
+                    self.look_reached[j] += 1
+                for j in range(a_look):
+                    self.look_accepted[j] += 1
             self.rho_num += a - a_look
             self.rho_den += self._predicted
             self._round_tokens = a + 1
         else:
             reached = min(a + 1, self._depth)  # depths 1..a accepted; depth a+1 tried and rejected (if drafted)
-            self.reached[:reached] += 1
-            self.accepted_at[:a] += 1
+            for j in range(reached):
+                self.reached[j] += 1
+            for j in range(a):
+                self.accepted_at[j] += 1
         self.dflash.observe(verdict, target_hidden)

@@ -4,12 +4,14 @@ cost(k)    seconds of one target forward over k new tokens after a 128-token con
            the LM head over the rows a verification reads first), linearly interpolated between sizes
 segment    seconds one more request adds to a packed forward beyond its rows (its own attention, appends):
            what makes a verify row not free in a batch (engine/batched.py)
+StepCost   one request's prices in a batched step, from the engine's own fit of its steps (engine/step_costs.py)
 """
 
 from __future__ import annotations
 
 import statistics
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -99,12 +101,35 @@ def segment_cost(target: TargetModel) -> float:
     return cost
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """One request's view of the next step: what it costs without this request's round, and the prices of the
+    round's rows and of its verifying a draft at all (seconds)."""
+
+    base_s: float
+    per_row: float
+    per_verify: float
+
+    def __post_init__(self) -> None:
+        if min(self.base_s, self.per_row, self.per_verify) < 0:
+            raise ValueError(f"step costs must be non-negative: {self}")
+
+    def seconds(self, rows: int) -> float:
+        """The step's seconds if this request's round puts `rows` rows in it (rows > 1: it verifies a draft)."""
+        return self.base_s + self.per_row * rows + (self.per_verify if rows > 1 else 0.0)
+
+
 class CostModel:
     """Piecewise-linear cost(k) from measured points."""
 
     def __init__(self, points: dict[int, float]) -> None:
         self.ks = sorted(points)
-        self.ts = [points[k] for k in self.ks]
+        # Running max: more rows never cost less. Measured points can dip (16 and 24 rows within noise of each
+        # other), and a dip makes the rows in it look free to a batched decision whose others' rows land there.
+        self.ts, top = [], 0.0
+        for k in self.ks:
+            top = max(top, points[k])
+            self.ts.append(top)
         # cost(k) per row count asked so far: adaptive drafters ask ~30 times per request and round (a rate per
         # candidate tree size), and the interpolation's search cost more than the rest of the rule
         self._memo: dict[int, float] = {}
@@ -114,6 +139,10 @@ class CostModel:
         if cost is None:
             cost = self._memo[k] = self._interpolate(k)
         return cost
+
+    def slope(self, lo: int, hi: int) -> float:
+        """Seconds per row between lo and hi rows (>= 0)."""
+        return max(0.0, (self(hi) - self(lo)) / (hi - lo))
 
     def _interpolate(self, k: int) -> float:
         ks, ts = self.ks, self.ts

@@ -90,7 +90,9 @@ class DFlashDrafter:
         self.softcap = getattr(target.text_config, "final_logit_softcapping", None)
         self.dtype = next(model.parameters()).dtype
         self._cache: DraftCache | None = None  # the request's context K/V (set by start)
-        self._pending: torch.Tensor | None = None  # [C, k*H] target features not yet in the drafter cache
+        # [C, k*H] target features not yet in the drafter cache, as the rounds' parts: joined only when a block
+        # consumes them (a resting adaptive drafter queues one part a round; re-joining every round was quadratic)
+        self._pending: list[torch.Tensor] | None = None
         self._pending_start = 0  # position of the first pending feature
         self._params = SamplingParams()
         self._generator: torch.Generator | None = None
@@ -113,7 +115,7 @@ class DFlashDrafter:
             raise ByblockError("the DFlash drafter needs the target's hidden states")
         self.adjust = adjust
         self._cache = self.runner.new_cache()
-        self._pending = target_hidden[0]
+        self._pending = [target_hidden[0]]
         self._pending_start = 0
         self._prefetched = None
         self._params, self._generator = params, generator
@@ -163,7 +165,10 @@ class DFlashDrafter:
         `anchor_pos`, its new context included. A block shorter than the trained one drafts fewer positions for
         proportionally less work; its rows see fewer mask positions, so their logits are close, not equal."""
         assert self._pending is not None
-        c = self._pending.shape[0]
+        if len(self._pending) > 1:
+            self._pending = [torch.cat(self._pending)]
+        context = self._pending[0]
+        c = context.shape[0]
         if self._pending_start + c != anchor_pos:
             raise RuntimeError(f"drafter context ends at {self._pending_start + c}, anchor at {anchor_pos}")
         dev, n = self.device, rows or self.block
@@ -172,7 +177,7 @@ class DFlashDrafter:
         embeds = embed_rows(self.embedding, ids)  # [B, H]
         block_pos = torch.arange(anchor_pos, anchor_pos + n, device=dev)  # [B]
         ctx_pos = torch.arange(self._pending_start, anchor_pos, device=dev)  # [C]
-        return PackedBlock(embeds, self._pending, block_pos, ctx_pos, self._cache)
+        return PackedBlock(embeds, context, block_pos, ctx_pos, self._cache)
 
     def embed_ids(self, ids: list[int]) -> torch.Tensor:
         """Raw embedding rows [len(ids), H] of the target's table (any in-model scale bypassed)."""
@@ -192,7 +197,7 @@ class DFlashDrafter:
     def _consumed(self, anchor_pos: int) -> None:
         """The pending context went into the drafter cache with the block at `anchor_pos`."""
         assert self._pending is not None
-        self._pending = self._pending[:0]
+        self._pending = [self._pending[0][:0]]  # empty, of the features' width
         self._pending_start = anchor_pos
 
     def to_target(
@@ -242,7 +247,7 @@ class DFlashDrafter:
     def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
         """Queue the features of the root and the accepted tokens as new context."""
         assert target_hidden is not None and self._pending is not None
-        self._pending = torch.cat([self._pending, target_hidden[0]])
+        self._pending.append(target_hidden[0])
 
 
 def draft_blocks(requests: list[tuple[DFlashDrafter, int, int, int, int | None]]) -> None:

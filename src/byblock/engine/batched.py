@@ -33,6 +33,7 @@ from byblock.engine.api import check_prompt_fits
 from byblock.engine.core import EngineRequest, RequestOutput
 from byblock.engine.scheduler import BatchConfig, Scheduler
 from byblock.engine.sequence import Phase, Round, Sequence
+from byblock.engine.step_costs import StepCostFit
 from byblock.errors import ByblockError
 from byblock.models.adapter import TargetModel
 from byblock.models.devices import device_clock
@@ -66,9 +67,13 @@ class BatchedEngineCore:
         self.lazy_head = model.device.type == "cpu" and model.defers_logits()
         self.last_step = StepStats()
         # What one more request costs a forward beyond its rows, for adaptive drafters' batch-aware sizing.
-        adaptive = any(hasattr(d, "set_batch_load") for d in self.drafters.values())
+        adaptive = [d for d in self.drafters.values() if hasattr(d, "set_batch_load")]
         self.segment_s = segment_cost(model) if adaptive else 0.0
         self._shares: dict[str, float] = {}  # request id -> its share of the last batched drafter forward
+        # The prices of a step, fitted from the steps this engine runs (engine/step_costs.py), for adaptive
+        # drafters once it has seen enough; until then they size drafts from their probed cost(k).
+        self.step_fit = self._step_fit(adaptive[0]) if adaptive else None
+        self._draft_s: dict[str, float] = {}  # request id -> its round's drafting seconds in the last step
 
     # -- the EngineCore contract -------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -125,6 +130,7 @@ class BatchedEngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule, draft, run one packed forward, sample, emit (see the module docstring)."""
         outputs, self._failed = self._failed, []
+        step_t0 = self.clock()
         sched = self.scheduler
         slack = {rid: seq.max_rows for rid, seq in self._seqs.items()}
         sched.preempt_for_kv(slack)
@@ -177,7 +183,33 @@ class BatchedEngineCore:
             if rnd.draft is not None and seq.observe_host is not None:
                 seq.observe_host(self.clock() - t1)  # adaptive drafters charge a deep round's extra finishing work
             outputs.extend(self._emit(seq, events))
+        if self.step_fit is not None:
+            self._fit_step(rounds, self.clock() - step_t0)
         return outputs
+
+    def _step_fit(self, drafter) -> StepCostFit:
+        """The step-cost fit, its prior from a drafter's probed costs: a one-row forward, the curve's slope over
+        4..16 rows, one segment's extra (drafters/costs.py); verifying's own host work starts at 0."""
+        cost = drafter.cost
+        per_row = cost.slope(4, 16)
+        return StepCostFit((cost(1), self.segment_s, per_row, per_row, 0.0))
+
+    def _fit_step(self, rounds: list[tuple[Sequence, Round]], seconds: float) -> None:
+        """One finished step into the fit: its seconds without the rounds' own drafting, and its shape."""
+        assert self.step_fit is not None
+        decode = prefill = verifying = 0
+        drafting = 0.0
+        self._draft_s = {}
+        for seq, rnd in rounds:
+            t = len(rnd.segment.input_ids)
+            if rnd.prefill:
+                prefill += t
+                continue
+            decode += t
+            verifying += int(t > 1)
+            drafting += rnd.draft_s
+            self._draft_s[seq.request_id] = rnd.draft_s
+        self.step_fit.add(max(0.0, seconds - drafting), len(rounds), decode, prefill, verifying)
 
     def _draft_blocks(self, live: list[Sequence], outputs: list[RequestOutput]) -> dict[str, float]:
         """Every DFlash-backed drafter's block of this step in one drafter forward (drafters/dflash.py
@@ -186,12 +218,21 @@ class BatchedEngineCore:
         rows = sum(s.last_rows for s in live)
         emitted = sum(s.last_emitted for s in live)
         drafting = sum(self._shares.values())
+        fit = self.step_fit if self.step_fit is not None and self.step_fit.ready else None
+        verifying = sum(s.last_rows > 1 for s in live)
+        spent = sum(self._draft_s.get(s.request_id, 0.0) for s in live)
         requests, ids = [], []
         for seq in live:
             try:
                 if seq.set_batch_load is not None:
-                    others_s = (len(live) - 1) * self.segment_s + drafting - self._shares.get(seq.request_id, 0.0)
-                    seq.set_batch_load(rows - seq.last_rows, emitted - seq.last_emitted, others_s)
+                    rid = seq.request_id
+                    others_s = (len(live) - 1) * self.segment_s + drafting - self._shares.get(rid, 0.0)
+                    cost = None
+                    if fit is not None and len(live) > 1:
+                        mine = seq.last_rows > 1
+                        own_s = self._draft_s.get(rid, 0.0)
+                        cost = fit.for_request(len(live), rows - seq.last_rows, verifying - mine, spent - own_s)
+                    seq.set_batch_load(rows - seq.last_rows, emitted - seq.last_emitted, others_s, cost)
                 if (req := seq.block_request()) is not None:
                     requests.append(req)
                     ids.append(seq.request_id)

@@ -228,12 +228,17 @@ class Sequence:
             final, vocab = out.final[start:end], self.model.vocab_size
             logits = TargetRows(final, self.model.head, draft.children(), vocab, known=first_logits)
         verdict, events = self.select.verify(draft, logits)
-        dev = self.model.device
-        path = torch.tensor(verdict.path, dtype=torch.long, device=dev)
-        self.cache.commit(rnd.past + 1, rnd.past + 1 + path)
-        if hidden is not None:
-            keep = torch.tensor([0, *(i + 1 for i in verdict.path)], dtype=torch.long, device=dev)
-            hidden = hidden[:, keep]  # [1, 1+a, k*H]
+        if verdict.path:
+            dev = self.model.device
+            path = torch.tensor(verdict.path, dtype=torch.long, device=dev)
+            self.cache.commit(rnd.past + 1, rnd.past + 1 + path)
+            if hidden is not None:
+                keep = torch.tensor([0, *(i + 1 for i in verdict.path)], dtype=torch.long, device=dev)
+                hidden = hidden[:, keep]  # [1, 1+a, k*H]
+        else:  # nothing accepted (or nothing drafted): the root's slot and features alone
+            self.cache.crop(rnd.past + 1)
+            if hidden is not None:
+                hidden = hidden[:, :1].clone()  # its own storage: the drafter may queue it for rounds
         assert self.drafter is not None
         self.drafter.observe(verdict, hidden)
         depth = int(draft.depths().max()) if draft.num_nodes else 0

@@ -124,6 +124,8 @@ class KVCache:
         """Keep the first `length` slots."""
         if self.h2o is not None:
             raise ValueError("an H2O cache is committed node by node, never cropped")
+        if length >= self.pos.shape[0] and length >= self.length:  # nothing past it (a round without a draft)
+            return
         self.pos = self.pos[:length]
         for summary in self.key_summaries.values():
             summary.crop(length)
