@@ -260,7 +260,6 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const S* sca
   const int64_t G = K / GROUP;
   const int64_t P = (N + W - 1) / W;
   const int64_t stride = G * Q::GROUP_BYTES;  // one panel's bytes
-  constexpr int NP1 = 4 / HALVES;             // panels per tile for one row
   std::vector<uint8_t> codes(M * K);
   std::vector<float> dx(M * G), xs(M * G);
   const int64_t per = (M + nthreads - 1) / nthreads;
@@ -270,25 +269,10 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* q, const S* sca
     if (r0 < r1) quantize_rows(x, r0, r1, K, Q::OFFSET, codes.data(), dx.data(), xs.data());
   }
   const uint8_t* xq = codes.data();
-  if (M == 1) {
-    const int64_t tiles = (P + NP1 - 1) / NP1;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t p = t * NP1;
-      if (p + NP1 <= P)
-        tile<Q, S, 1, NP1>(xq, K, dx.data(), xs.data(), q + p * stride, scale + p * G * W,
-                        minv ? minv + p * G * W : nullptr, stride, y + p * W, N, bias ? bias + p * W : nullptr,
-                        N - p * W);
-      else
-        for (int64_t e = p; e < P; ++e)
-          tile<Q, S, 1, 1>(xq, K, dx.data(), xs.data(), q + e * stride, scale + e * G * W,
-                        minv ? minv + e * G * W : nullptr, stride, y + e * W, N, bias ? bias + e * W : nullptr,
-                        N - e * W);
-    }
-    return;
-  }
   // As in quant_gemm.cpp: rows in blocks of ROW_BLOCK, within a block balanced passes of up to MAX_ROWS over
-  // each panel (the panel's bytes come from memory once per block, then from L1).
+  // each panel (the panel's bytes come from memory once per block, then from L1). One row takes this path too:
+  // a one-row tile over 4 panels at once (12 weight / scale / min streams per thread) ran the model's 120
+  // linears from memory at 15 GB/s, one panel per tile at 22 (4.1 -> 2.9 ms, dev/LOG.md session 40).
   for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK) {
     const int64_t rb = M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK;
     const int64_t passes = (rb + MAX_ROWS - 1) / MAX_ROWS;
