@@ -125,3 +125,51 @@ def test_the_engine_fits_its_steps_and_hands_drafters_its_prices(tiny_targets):
         AdaptiveDrafter.set_batch_load = original
     assert [r.token_ids for r in batched] == plain
     assert seen and seen[0] is None and any(isinstance(c, StepCost) for c in seen)
+
+
+def _run_gate(gate, drafting_rate: float, resting_rate: float, steps: int) -> list[bool]:
+    """Feed a gate steps whose tokens per second depend on its mode; returns the mode of every step."""
+    modes = []
+    for _ in range(steps):
+        modes.append(gate.drafts)
+        gate.add(10, 10 / (drafting_rate if gate.drafts else resting_rate))
+    return modes
+
+
+def test_the_gate_runs_the_faster_mode_and_probes_the_other():
+    """Drafting slower than resting: after one measured block of each, the gate rests, with one drafting block
+    every GATE_PROBE_EVERY resting ones; drafting faster: it drafts, probing resting alike."""
+    from byblock.engine.step_costs import GATE_BLOCK, GATE_PROBE_EVERY, DraftGate
+
+    gate = DraftGate()
+    modes = _run_gate(gate, drafting_rate=0.8, resting_rate=1.0, steps=GATE_BLOCK * 30)
+    assert modes[:GATE_BLOCK] == [True] * GATE_BLOCK and modes[GATE_BLOCK : 2 * GATE_BLOCK] == [False] * GATE_BLOCK
+    tail = modes[2 * GATE_BLOCK :]
+    assert tail.count(True) / len(tail) == pytest.approx(1 / (GATE_PROBE_EVERY + 1), abs=0.05)
+    assert gate.rate(False) > gate.rate(True)
+    gate = DraftGate()
+    modes = _run_gate(gate, drafting_rate=1.3, resting_rate=1.0, steps=GATE_BLOCK * 30)[2 * GATE_BLOCK :]
+    assert modes.count(False) / len(modes) == pytest.approx(1 / (GATE_PROBE_EVERY + 1), abs=0.05)
+
+
+def test_the_gate_follows_a_change():
+    """Drafting pays, then stops paying (a turn of the conversation): the gate goes over to resting."""
+    from byblock.engine.step_costs import GATE_BLOCK, DraftGate
+
+    gate = DraftGate()
+    _run_gate(gate, drafting_rate=1.5, resting_rate=1.0, steps=GATE_BLOCK * 20)
+    late = _run_gate(gate, drafting_rate=0.5, resting_rate=1.0, steps=GATE_BLOCK * 40)[-GATE_BLOCK * 10 :]
+    assert late.count(False) > late.count(True)
+
+
+def test_a_gated_adaptive_drafter_takes_a_plain_step(tiny_targets):
+    """StepCost(drafts=False): the round is a plain step (no backbone, no lookup chain), whatever would pay."""
+    from test_adaptive import _hybrid_on_repeat
+
+    d, _, tokens = _hybrid_on_repeat(tiny_targets["llama"])
+    d.cost = CostModel({1: 1e-3, 64: 1.0001e-3})  # verify rows free: any draft would pay
+    d.set_batch_load(rows=3, tokens=3.0, seconds=0.0, cost=StepCost(1e-3, 0.0, 0.0, drafts=False))
+    assert d.block_request(tokens, 7) is None
+    assert d.propose(tokens, 7).num_nodes == 0
+    d.set_batch_load(rows=3, tokens=3.0, seconds=0.0, cost=StepCost(1e-3, 0.0, 0.0, drafts=True))
+    assert d.propose(tokens, 7).num_nodes > 0

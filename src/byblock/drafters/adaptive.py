@@ -279,6 +279,10 @@ class AdaptiveDrafter:
             # (the engine's fitted prices hold it in per_verify)
             draft_s += self._extra_finish_s()
         n = len(tokens)
+        if self._step_cost is not None and not self._step_cost.drafts:  # the engine's gate: a plain step for all
+            self.last_choice = self._depth = self._look_len = 0
+            self._predicted, self._round = 0.0, None
+            return _Decision(n, 0, None, draft_s, self._timer() - t0)
         # Batched, the backbone drafts a short block (BATCHED_ROWS): its cost is per block row, and a batch's
         # drafts stay shallow (a verify row is not free there). The lookup chain keeps the full depth.
         rows = BATCHED_ROWS if self._load[0] > 0 and self.dflash.block > BATCHED_ROWS else None

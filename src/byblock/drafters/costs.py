@@ -109,6 +109,7 @@ class StepCost:
     base_s: float
     per_row: float
     per_verify: float
+    drafts: bool = True  # False: the engine's gate makes this a plain step for every request (engine/step_costs.py)
 
     def __post_init__(self) -> None:
         if min(self.base_s, self.per_row, self.per_verify) < 0:

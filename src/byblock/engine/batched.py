@@ -33,7 +33,7 @@ from byblock.engine.api import check_prompt_fits
 from byblock.engine.core import EngineRequest, RequestOutput
 from byblock.engine.scheduler import BatchConfig, Scheduler
 from byblock.engine.sequence import Phase, Round, Sequence
-from byblock.engine.step_costs import StepCostFit
+from byblock.engine.step_costs import DraftGate, StepCostFit
 from byblock.errors import ByblockError
 from byblock.models.adapter import TargetModel
 from byblock.models.devices import device_clock
@@ -73,6 +73,8 @@ class BatchedEngineCore:
         # The prices of a step, fitted from the steps this engine runs (engine/step_costs.py), for adaptive
         # drafters once it has seen enough; until then they size drafts from their probed cost(k).
         self.step_fit = self._step_fit(adaptive[0]) if adaptive else None
+        self.gate = DraftGate() if adaptive else None  # whether they may draft at all, by the clock
+        self._gated = False  # this step's drafters were handed the gate's mode
         self._draft_s: dict[str, float] = {}  # request id -> its round's drafting seconds in the last step
 
     # -- the EngineCore contract -------------------------------------------------------------------------
@@ -170,7 +172,7 @@ class BatchedEngineCore:
             return outputs + [self._fail(seq, e) for seq, _ in rounds]
         forward_s = self.clock() - t0
         self.last_step = StepStats(len(rounds), total, sum(r.prefill for _, r in rounds), forward_s)
-        at = 0
+        at, emitted = 0, 0
         for (seq, rnd), start in zip(rounds, starts, strict=True):
             first_logits = out.logits[at : at + rnd.rows]
             at += rnd.rows
@@ -182,9 +184,10 @@ class BatchedEngineCore:
                 continue
             if rnd.draft is not None and seq.observe_host is not None:
                 seq.observe_host(self.clock() - t1)  # adaptive drafters charge a deep round's extra finishing work
+            emitted += 0 if rnd.prefill else len(events)
             outputs.extend(self._emit(seq, events))
         if self.step_fit is not None:
-            self._fit_step(rounds, self.clock() - step_t0)
+            self._fit_step(rounds, self.clock() - step_t0, emitted)
         return outputs
 
     def _step_fit(self, drafter) -> StepCostFit:
@@ -194,9 +197,10 @@ class BatchedEngineCore:
         per_row = cost.slope(4, 16)
         return StepCostFit((cost(1), self.segment_s, per_row, per_row, 0.0))
 
-    def _fit_step(self, rounds: list[tuple[Sequence, Round]], seconds: float) -> None:
-        """One finished step into the fit: its seconds without the rounds' own drafting, and its shape."""
-        assert self.step_fit is not None
+    def _fit_step(self, rounds: list[tuple[Sequence, Round]], seconds: float, emitted: int) -> None:
+        """One finished step into the fit (its seconds without the rounds' own drafting, and its shape) and, if
+        its drafters were gated, into the gate (its decode tokens, its seconds without the fitted prefill)."""
+        assert self.step_fit is not None and self.gate is not None
         decode = prefill = verifying = 0
         drafting = 0.0
         self._draft_s = {}
@@ -210,6 +214,8 @@ class BatchedEngineCore:
             drafting += rnd.draft_s
             self._draft_s[seq.request_id] = rnd.draft_s
         self.step_fit.add(max(0.0, seconds - drafting), len(rounds), decode, prefill, verifying)
+        if self._gated:
+            self.gate.add(emitted, seconds - self.step_fit.prefill_s(prefill))
 
     def _draft_blocks(self, live: list[Sequence], outputs: list[RequestOutput]) -> dict[str, float]:
         """Every DFlash-backed drafter's block of this step in one drafter forward (drafters/dflash.py
@@ -219,6 +225,8 @@ class BatchedEngineCore:
         emitted = sum(s.last_emitted for s in live)
         drafting = sum(self._shares.values())
         fit = self.step_fit if self.step_fit is not None and self.step_fit.ready else None
+        self._gated = fit is not None and len(live) > 1
+        drafts = self.gate.drafts if self.gate is not None else True
         verifying = sum(s.last_rows > 1 for s in live)
         spent = sum(self._draft_s.get(s.request_id, 0.0) for s in live)
         requests, ids = [], []
@@ -231,7 +239,8 @@ class BatchedEngineCore:
                     if fit is not None and len(live) > 1:
                         mine = seq.last_rows > 1
                         own_s = self._draft_s.get(rid, 0.0)
-                        cost = fit.for_request(len(live), rows - seq.last_rows, verifying - mine, spent - own_s)
+                        others = (rows - seq.last_rows, verifying - mine, spent - own_s)
+                        cost = fit.for_request(len(live), *others, drafts=drafts)
                     seq.set_batch_load(rows - seq.last_rows, emitted - seq.last_emitted, others_s, cost)
                 if (req := seq.block_request()) is not None:
                     requests.append(req)
