@@ -11,6 +11,9 @@ One `step()` is the whole flow (nano-vllm's shape):
     sample     per request: choose / verify with its own generator, commit its accepted slots, observe
     emit       text deltas through each request's OutputProcessor; finished requests leave the batch
 
+Adaptive drafters size their drafts from the engine's own prices, a fit of the steps it ran, and draft at all
+only while steps that may draft beat steps where every request rests, by the clock (engine/step_costs.py).
+
 Why each request gets exactly its solo tokens: its rows meet other requests' rows only in the linears, which
 are row-invariant (byblock's packed fp32 GEMM: every output is one FMA chain over k, whatever the row count);
 attention, sampling and drafting are per request, in the single-request loops' order. So in fp32 on the packed

@@ -14,6 +14,10 @@ by least squares with forgetting (FORGET per step), ridge-pulled towards a prior
 steps' worth of evidence), so a coefficient the recent steps cannot separate (every request resting: decode
 rows = requests) stays at its prior instead of wandering. Each request then gets a `StepCost`: the seconds of
 the step that do not depend on its own round, and the prices of its rows and of verifying at all.
+
+Per-request choices on those prices are each right on their own and can still lose together (16 requests:
+0.85x a plain batch with calibrated predictions), so `DraftGate` decides by the clock whether the batch's
+drafters may draft at all.
 """
 
 from __future__ import annotations
