@@ -129,6 +129,11 @@ def expected_tokens(accept: list[float]) -> list[float]:
     return expected
 
 
+def _toward(counts: list[float], prior: float) -> list[float]:
+    """Counts shrunk towards their prior by FORGET."""
+    return [prior + FORGET * (c - prior) for c in counts]
+
+
 @dataclass(frozen=True)
 class _Decision:
     """One round's choice, made before the backbone runs (so the batched engine can batch it)."""
@@ -442,11 +447,8 @@ class AdaptiveDrafter:
 
     def _forget(self) -> None:
         """Shrink every count towards its prior (Beta(1,1) per depth; ρ = 1/1) by FORGET."""
-        keep = FORGET
-        self.accepted_at = [1 + keep * (v - 1) for v in self.accepted_at]
-        self.reached = [2 + keep * (v - 2) for v in self.reached]
-        self.look_accepted = [1 + keep * (v - 1) for v in self.look_accepted]
-        self.look_reached = [2 + keep * (v - 2) for v in self.look_reached]
+        self.accepted_at, self.look_accepted = _toward(self.accepted_at, 1.0), _toward(self.look_accepted, 1.0)
+        self.reached, self.look_reached = _toward(self.reached, 2.0), _toward(self.look_reached, 2.0)
         self.rho_num = 1 + FORGET * (self.rho_num - 1)
         self.rho_den = 1 + FORGET * (self.rho_den - 1)
 

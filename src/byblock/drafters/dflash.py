@@ -17,6 +17,7 @@ from torch import nn
 
 from byblock.drafters.dflash_model import DFlashDraftModel
 from byblock.drafters.dflash_packed import DraftCache, DraftRunner, PackedBlock
+from byblock.drafters.features import PendingFeatures
 from byblock.errors import ByblockError
 from byblock.kernels import invariant_head
 from byblock.kernels.quant_embedding import embed_rows
@@ -90,10 +91,7 @@ class DFlashDrafter:
         self.softcap = getattr(target.text_config, "final_logit_softcapping", None)
         self.dtype = next(model.parameters()).dtype
         self._cache: DraftCache | None = None  # the request's context K/V (set by start)
-        # [C, k*H] target features not yet in the drafter cache, as the rounds' parts: joined only when a block
-        # consumes them (a resting adaptive drafter queues one part a round; re-joining every round was quadratic)
-        self._pending: list[torch.Tensor] | None = None
-        self._pending_start = 0  # position of the first pending feature
+        self._pending: PendingFeatures | None = None  # target features not yet in the drafter cache
         self._params = SamplingParams()
         self._generator: torch.Generator | None = None
         self.adjust: DraftAdjust | None = None  # the request's penalties / grammar, applied to the draft rows
@@ -115,15 +113,14 @@ class DFlashDrafter:
             raise ByblockError("the DFlash drafter needs the target's hidden states")
         self.adjust = adjust
         self._cache = self.runner.new_cache()
-        self._pending = [target_hidden[0]]
-        self._pending_start = 0
+        self._pending = PendingFeatures(target_hidden[0])
         self._prefetched = None
         self._params, self._generator = params, generator
 
     def fork(self) -> DFlashDrafter:
         """Shares the network, embedding and head; fresh context cache (set by start)."""
         clone = copy.copy(self)
-        clone._cache, clone._pending, clone._pending_start = None, None, 0
+        clone._cache, clone._pending = None, None
         clone._params, clone._generator, clone._prefetched, clone._borrowed_s = SamplingParams(), None, None, 0.0
         clone.adjust = None
         return clone
@@ -165,18 +162,15 @@ class DFlashDrafter:
         `anchor_pos`, its new context included. A block shorter than the trained one drafts fewer positions for
         proportionally less work; its rows see fewer mask positions, so their logits are close, not equal."""
         assert self._pending is not None
-        if len(self._pending) > 1:
-            self._pending = [torch.cat(self._pending)]
-        context = self._pending[0]
-        c = context.shape[0]
-        if self._pending_start + c != anchor_pos:
-            raise RuntimeError(f"drafter context ends at {self._pending_start + c}, anchor at {anchor_pos}")
+        context, start = self._pending.joined(), self._pending.start
+        if start + context.shape[0] != anchor_pos:
+            raise RuntimeError(f"drafter context ends at {start + context.shape[0]}, anchor at {anchor_pos}")
         dev, n = self.device, rows or self.block
         ids = torch.full((n,), self.mask_token_id, dtype=torch.long, device=dev)
         ids[0] = anchor
         embeds = embed_rows(self.embedding, ids)  # [B, H]
         block_pos = torch.arange(anchor_pos, anchor_pos + n, device=dev)  # [B]
-        ctx_pos = torch.arange(self._pending_start, anchor_pos, device=dev)  # [C]
+        ctx_pos = torch.arange(start, anchor_pos, device=dev)  # [C]
         return PackedBlock(embeds, context, block_pos, ctx_pos, self._cache)
 
     def embed_ids(self, ids: list[int]) -> torch.Tensor:
@@ -197,8 +191,7 @@ class DFlashDrafter:
     def _consumed(self, anchor_pos: int) -> None:
         """The pending context went into the drafter cache with the block at `anchor_pos`."""
         assert self._pending is not None
-        self._pending = [self._pending[0][:0]]  # empty, of the features' width
-        self._pending_start = anchor_pos
+        self._pending.consumed(anchor_pos)
 
     def to_target(
         self, ids: torch.Tensor, q_small: torch.Tensor | None = None

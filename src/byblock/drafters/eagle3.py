@@ -20,6 +20,7 @@ import torch
 
 from byblock.drafters.ddtree import tree_logp
 from byblock.drafters.eagle3_model import Eagle3DraftModel, StepKV
+from byblock.drafters.features import PendingFeatures
 from byblock.errors import ByblockError
 from byblock.kernels.quant_embedding import embed_rows
 from byblock.models.adapter import TargetModel
@@ -66,8 +67,7 @@ class Eagle3Drafter:
         self.vocab_size = target.vocab_size
         self._vocab_host: list[int] | None = None
         self._cache: list[StepKV] = []  # committed positions' keys / values, in position order
-        self._pending: torch.Tensor | None = None  # [C, k*H] features of committed positions not yet cached
-        self._pending_start = 0
+        self._pending: PendingFeatures | None = None  # features of committed positions not yet cached
         self._params = SamplingParams()
         self._generator: torch.Generator | None = None
         self._adjust: DraftAdjust | None = None  # the request's penalties / grammar, applied to the draft rows
@@ -83,20 +83,20 @@ class Eagle3Drafter:
         """Reset; the prompt's features become the first context."""
         if target_hidden is None:
             raise ByblockError("the EAGLE-3 drafter needs the target's hidden states")
-        self._cache, self._pending, self._pending_start = [], target_hidden[0], 0
+        self._cache, self._pending = [], PendingFeatures(target_hidden[0])
         self._params, self._generator, self._adjust = params, generator, adjust
 
     def fork(self) -> Eagle3Drafter:
         """Shares the network and embedding; fresh per-request state (set by start)."""
         clone = copy.copy(self)
-        clone._cache, clone._pending, clone._pending_start = [], None, 0
+        clone._cache, clone._pending = [], None
         clone._params, clone._generator, clone._adjust = SamplingParams(), None, None
         return clone
 
     def observe(self, verdict: Verdict, target_hidden: torch.Tensor | None) -> None:
         """Queue the features of the root and the accepted tokens as new context."""
         assert target_hidden is not None and self._pending is not None
-        self._pending = torch.cat([self._pending, target_hidden[0]])
+        self._pending.append(target_hidden[0])
 
     # ---- drafting ---------------------------------------------------------------------------------------
 
@@ -107,18 +107,19 @@ class Eagle3Drafter:
         """Run the pending committed positions (each reads the next committed token) -> the last row's output
         [H]: the state whose logits draft depth 1. The cache then covers positions 0 .. len(tokens) − 2."""
         assert self._pending is not None
-        c, start = self._pending.shape[0], self._pending_start
+        pending, start = self._pending.joined(), self._pending.start
+        c = pending.shape[0]
         if start + c != len(tokens) - 1:
             raise RuntimeError(f"EAGLE-3 context ends at {start + c}, expected {len(tokens) - 1}")
         if c == 0:
             raise RuntimeError("EAGLE-3: no new context this round (observe was not called)")
         m = self.model
         ids = torch.tensor(tokens[start + 1 : start + 1 + c], dtype=torch.long, device=self.device)
-        feats = m.fc(self._pending.to(m.fc.weight.dtype))[None]  # [1, C, H]
+        feats = m.fc(pending.to(m.fc.weight.dtype))[None]  # [1, C, H]
         pos = torch.arange(start, start + c, device=self.device)[None]
         out, kv = m.step(self._embed(ids)[None], feats, pos, self._cache, None)
         self._cache.append(kv)
-        self._pending, self._pending_start = self._pending[:0], start + c
+        self._pending.consumed(start + c)
         return out[0, -1]
 
     def _logp(self, logits: torch.Tensor, path: list[int] | None = None) -> torch.Tensor:
